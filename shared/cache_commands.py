@@ -1,0 +1,224 @@
+"""`dflash status` and `dflash inspect`: look at a cache, and at the run filling it, from any shell."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from shared import cache_format as cf
+
+HEARTBEAT_STALE_S = 30.0
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def run_state(run: dict[str, Any] | None) -> str:
+    """running / done / failed / interrupted / dead (a 'running' run whose process is gone or silent) / none."""
+    if not run:
+        return "none"
+    state = str(run.get("state", "unknown"))
+    if state != "running":
+        return state
+    age = time.time() - float(run.get("heartbeat", 0))
+    same_host = run.get("host") == socket.gethostname()
+    if (same_host and not _pid_alive(int(run.get("pid", -1)))) or age > HEARTBEAT_STALE_S:
+        return "dead"
+    return "running"
+
+
+def cache_summary(cache_dir: Path) -> dict[str, Any]:
+    manifest = cf.read_manifest(cache_dir)
+    shards = manifest["shards"]
+    counts: dict[str, int] = {}
+    for entry in shards.values():
+        counts[entry.get("status", "pending")] = counts.get(entry.get("status", "pending"), 0) + 1
+    done = [e for e in shards.values() if e.get("status") == cf.SHARD_DONE]
+    skipped: dict[str, int] = dict(manifest.get("data", {}).get("skipped_on_load", {}))
+    for entry in done:
+        for reason, count in entry.get("skipped", {}).items():
+            skipped[reason] = skipped.get(reason, 0) + count
+    tokens = sum(e["tokens"] for e in done)
+    stored = sum(e.get("bytes", 0) for e in done)
+    identity = manifest["identity"]
+    return {
+        "cache": str(cache_dir),
+        "format_version": manifest["format_version"],
+        "target": manifest.get("target", {}).get("name", identity.get("target_source")),
+        "layer_ids": identity["layer_ids"],
+        "hidden_size": identity["hidden_size"],
+        "feature_dtype": identity["feature_dtype"],
+        "shards": len(shards),
+        "shard_status": counts,
+        "samples": sum(e["samples"] for e in done),
+        "tokens": tokens,
+        "loss_tokens": sum(e.get("loss_tokens", 0) for e in done),
+        "truncated": sum(e.get("truncated", 0) for e in done),
+        "skipped": skipped,
+        "feature_bytes": stored,
+        "bytes_per_token": round(stored / tokens, 1) if tokens else None,
+        "disk_bytes": _disk_bytes(cache_dir / cf.SHARDS_DIR),
+        "complete": counts.get(cf.SHARD_DONE, 0) == len(shards),
+    }
+
+
+def _disk_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+# --------------------------------------------------------------------------------------------- verification
+
+
+def verify_shard(cache_dir: Path, shard: int, entry: dict[str, Any], vocab_size: int, feature_dim: int) -> list[str]:
+    """Re-read one shard completely; return the problems found (empty when it is sound)."""
+    import torch
+
+    path = cf.shard_path(cache_dir, shard)
+    if not path.exists():
+        return ["store is missing"]
+    try:
+        reader = cf.ShardReader(path)
+        offsets = reader.offsets
+        problems = []
+        if len(offsets) != entry["samples"] + 1 or int(offsets[-1]) != entry["tokens"]:
+            problems.append(f"holds {len(offsets) - 1} samples / {int(offsets[-1])} tokens, the manifest says "
+                            f"{entry['samples']} / {entry['tokens']}")
+        if np.any(np.diff(offsets) <= 0) or offsets[0] != 0:
+            problems.append("offsets are not strictly increasing from 0")
+        features = reader.features
+        if tuple(features.shape) != (int(offsets[-1]), feature_dim):
+            problems.append(f"features have shape {tuple(features.shape)}, expected ({int(offsets[-1])}, {feature_dim})")
+        group = reader.group
+        input_ids = np.asarray(group["input_ids"][:])
+        loss_mask = np.asarray(group["loss_mask"][:])
+        for name, array in (("input_ids", input_ids), ("loss_mask", loss_mask)):
+            if len(array) != int(offsets[-1]):
+                problems.append(f"{name} has {len(array)} entries, expected {int(offsets[-1])}")
+        if len(input_ids) and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
+            problems.append(f"token ids outside [0, {vocab_size})")
+        if len(loss_mask) and loss_mask.max() > 1:
+            problems.append("loss_mask holds values other than 0/1")
+        step = max(1, cf.StoreLayout.for_feature_dim(feature_dim).shard_rows)
+        for start in range(0, int(features.shape[0]), step):
+            block = cf.bf16_view(np.asarray(features[start : start + step]))
+            if not bool(torch.isfinite(block).all()):
+                problems.append(f"NaN/Inf features in rows {start}..{start + len(block) - 1}")
+                break
+        return problems
+    except Exception as error:  # noqa: BLE001 - checksum failures and damaged files surface as exceptions
+        return [f"unreadable: {type(error).__name__}: {error}"]
+
+
+def verify_cache(cache_dir: Path) -> dict[int, list[str]]:
+    manifest = cf.read_manifest(cache_dir)
+    config = json.loads((cache_dir / cf.TARGET_DIR / "config.json").read_text())
+    vocab_size = int(config.get("text_config", config)["vocab_size"])
+    feature_dim = int(manifest["identity"]["hidden_size"]) * len(manifest["identity"]["layer_ids"])
+    problems: dict[int, list[str]] = {}
+    for key, entry in sorted(manifest["shards"].items(), key=lambda item: int(item[0])):
+        if entry.get("status") != cf.SHARD_DONE:
+            continue
+        found = verify_shard(cache_dir, int(key), entry, vocab_size, feature_dim)
+        if found:
+            problems[int(key)] = found
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+
+@click.command("inspect")
+@click.option("--cache", "cache_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="Cache directory made by `dflash extract`.")
+@click.option("--verify", is_flag=True,
+              help="Re-read every stored chunk: checksums, shapes, counts, NaN/Inf features and token ids.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def inspect_command(cache_dir: Path, verify: bool, as_json: bool) -> None:
+    """Describe a feature cache: samples, tokens, bytes per token, shards, skipped counts.
+
+    With --verify, exit code 1 when any shard is damaged; each problem names the shard and the command that
+    re-extracts it.
+    """
+    summary = cache_summary(cache_dir)
+    problems = verify_cache(cache_dir) if verify else {}
+    if verify:
+        summary["verify"] = {"ok": not problems, "problems": {str(k): v for k, v in problems.items()}}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        _print_summary(summary)
+        if verify:
+            if problems:
+                for shard, found in problems.items():
+                    for problem in found:
+                        click.echo(f"DAMAGED shard {shard} ({cf.shard_name(shard)}): {problem}")
+                    click.echo(f"  fix: dflash extract --out {cache_dir} --only-shards {shard} --overwrite "
+                               "(with the options of the original run)")
+            else:
+                click.echo(f"verify: OK ({summary['shard_status'].get('done', 0)} shards re-read)")
+    sys.exit(1 if problems else 0)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    rows = [
+        ("cache", summary["cache"]),
+        ("target", summary["target"]),
+        ("layers", f"{summary['layer_ids']} x hidden {summary['hidden_size']} ({summary['feature_dtype']})"),
+        ("shards", f"{summary['shards']} ({', '.join(f'{v} {k}' for k, v in sorted(summary['shard_status'].items()))})"),
+        ("samples", f"{summary['samples']:,}"),
+        ("tokens", f"{summary['tokens']:,} ({summary['loss_tokens']:,} with loss)"),
+        ("truncated", f"{summary['truncated']:,}"),
+        ("skipped", ", ".join(f"{k}: {v}" for k, v in sorted(summary["skipped"].items())) or "none"),
+        ("bytes/token", f"{summary['bytes_per_token']}"),
+        ("on disk", f"{summary['disk_bytes'] / 1e6:,.1f} MB"),
+    ]
+    for name, value in rows:
+        click.echo(f"{name:>12}  {value}")
+
+
+@click.command("status")
+@click.option("--cache", "cache_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="Cache directory of a running or finished `dflash extract`.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def status_command(cache_dir: Path, as_json: bool) -> None:
+    """What is running, done and failed in a cache, and how fast (works from another shell).
+
+    A run whose process is gone or whose heartbeat is older than 30 s is reported as dead.
+    """
+    summary = cache_summary(cache_dir)
+    status = cf.read_status(cache_dir)
+    run = status.get("run")
+    state = run_state(run)
+    workers = {name: data for name, data in status.items() if name.startswith("worker-")}
+    report = {"state": state, "run": run, "workers": workers, "cache": summary}
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+        return
+    click.echo(f"run: {state}" + (f" (pid {run.get('pid')} on {run.get('host')})" if run else ""))
+    if run and state == "running":
+        eta = run.get("eta_s")
+        click.echo(f"  {run.get('samples_done', 0):,}/{run.get('samples_total', 0):,} samples, "
+                   f"{run.get('tokens_per_s', 0):,.0f} tok/s, ETA {'?' if eta is None else f'{eta:,.0f} s'}")
+        for name, data in sorted(workers.items()):
+            alive = "alive" if _pid_alive(int(data.get("pid", -1))) else "gone"
+            click.echo(f"  {name}: {data.get('device')} shard {data.get('shard')} ({alive}), "
+                       f"{data.get('samples', 0):,} samples, {data.get('tokens', 0):,} tokens")
+    counts = summary["shard_status"]
+    click.echo(f"shards: {summary['shards']} ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}); "
+               f"{summary['samples']:,} samples and {summary['tokens']:,} tokens stored")
+    failed = [k for k, e in cf.read_manifest(cache_dir)["shards"].items() if e.get("status") == cf.SHARD_FAILED]
+    if failed:
+        click.echo(f"failed shards: {', '.join(failed)} (see {cache_dir / cf.LOG_FILE}; rerun to retry)")

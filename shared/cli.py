@@ -1,0 +1,56 @@
+"""The `dflash` command: a click group whose subcommands live in the stage packages.
+
+Subcommands are imported only when used, so `dflash --help` and `dflash status` start fast and the stages
+stay independent of each other (this module names them; they never import one another).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+import click
+
+from shared.errors import user_facing_errors
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "extract": ("stage1_extract.cli", "extract_command"),
+    "status": ("shared.cache_commands", "status_command"),
+    "inspect": ("shared.cache_commands", "inspect_command"),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in SUBCOMMANDS:
+            return None
+        module, attribute = SUBCOMMANDS[name]
+        return getattr(importlib.import_module(module), attribute)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def dflash() -> None:
+    """dflash: train DFlash block-diffusion drafters for speculative decoding, in two stages.
+
+    \b
+    1. dflash extract   run the target over chat data, cache its hidden states (Zarr v3)
+    2. dflash train     train the drafter from that cache (coming next)
+    dflash status / inspect   look at a cache and the run filling it
+    """
+
+
+def main(argv: list[str] | None = None) -> Any:
+    # dflash never downloads at run time: models and datasets must be local or in the HF cache.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    with user_facing_errors():
+        return dflash.main(args=argv, prog_name="dflash")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

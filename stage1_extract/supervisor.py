@@ -1,0 +1,438 @@
+"""`dflash extract`: plan the shards, spawn one worker process per device, supervise them, keep the manifest.
+
+The supervisor never loads the target model. It loads the conversations once, decides which shards this run
+owns (locks), hands them to worker processes through a queue, aggregates their progress into one bar, records
+every finished shard in the manifest, and stops every worker (no orphans, no zombies) on error or signal.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared import cache_format as cf
+from shared.logs import get_logger, setup_logging
+from shared.target_loading import (
+    ResolvedTarget,
+    load_tokenizer,
+    local_model_files,
+    resolve_target,
+    stop_token_ids,
+    target_content_hash,
+)
+from stage1_extract.capture import default_layer_ids, validate_layer_ids
+from stage1_extract.conversations import LoadedConversations, load_conversations, template_fingerprint
+from stage1_extract.target_export import export_target_files
+from stage1_extract.worker import ShardTask, WorkerConfig, worker_main
+
+log = get_logger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 3
+
+
+class ExtractRefused(RuntimeError):
+    """The run cannot start (cache mismatch, shards locked by another run, bad option)."""
+
+
+@dataclass
+class ExtractOptions:
+    out: Path
+    model: str | None = None
+    data: str | None = None
+    column: str | None = None
+    split: str = "train"
+    max_samples: int | None = None
+    max_length: int = 2048
+    overlength: str = "truncate"
+    draft_layers: int = 5
+    target_layers: list[int] | None = None
+    shards: int | None = None
+    only_shards: str | None = None
+    workers: int | None = None
+    batch_tokens: int | None = None
+    overwrite: bool = False
+    verbose: bool = False
+
+
+def parse_shard_ranges(text: str, num_shards: int) -> list[int]:
+    """'3,5-7' -> [3, 5, 6, 7], checked against the number of shards."""
+    chosen: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                low, high = (int(x) for x in part.split("-", 1))
+                chosen.update(range(low, high + 1))
+            else:
+                chosen.add(int(part))
+        except ValueError as error:
+            raise ExtractRefused(f"--only-shards: cannot read '{part}' (use e.g. 3,5-7)") from error
+    bad = sorted(i for i in chosen if not 0 <= i < num_shards)
+    if bad:
+        raise ExtractRefused(f"--only-shards: shards {bad} do not exist (the cache has shards 0..{num_shards - 1})")
+    return sorted(chosen)
+
+
+def split_into_shards(num_items: int, num_shards: int) -> list[range]:
+    """Contiguous, deterministic ranges of dataset positions; sizes differ by at most one."""
+    return [range(num_items * k // num_shards, num_items * (k + 1) // num_shards) for k in range(num_shards)]
+
+
+def detect_devices(workers: int | None) -> tuple[list[str], int]:
+    """One worker per CUDA device; on CPU `workers` processes sharing the cores. Returns (devices, threads)."""
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return [f"cuda:{i}" for i in range(min(count, workers or count))], 0
+    workers = workers or 1
+    return ["cpu"] * workers, max(1, (os.cpu_count() or 1) // workers)
+
+
+class Supervisor:
+    def __init__(self, options: ExtractOptions) -> None:
+        self.options = options
+        self.cache_dir = options.out.resolve()
+        self.log_file = self.cache_dir / cf.LOG_FILE
+        self.processes: list[mp.process.BaseProcess] = []
+        self.started = time.time()
+
+    # ------------------------------------------------------------------------------------------ planning
+
+    def prepare(self) -> tuple[dict[str, Any], LoadedConversations, ResolvedTarget, list[int]]:
+        opts = self.options
+        target = resolve_target(opts.model)
+        folder = local_model_files(target.load_path)
+        import json
+
+        config = json.loads((folder / "config.json").read_text())
+        config = config.get("text_config", config)
+        num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+        if opts.target_layers:
+            layer_ids = validate_layer_ids(list(opts.target_layers), num_layers)
+        else:
+            layer_ids = validate_layer_ids(default_layer_ids(num_layers, opts.draft_layers), num_layers)
+        tokenizer = load_tokenizer(target.load_path)
+        log.info("target %s: %d layers, hidden %d; capturing layers %s", target.display_name, num_layers, hidden,
+                 layer_ids)
+        data = load_conversations(opts.data, column=opts.column, split=opts.split, max_samples=opts.max_samples)
+        log.info("data %s: %d conversations (skipped while loading: %s)", data.source, len(data.conversations),
+                 data.skipped or "none")
+        if not data.conversations:
+            raise ExtractRefused(f"no usable conversations in {data.source} (skipped: {data.skipped})")
+        existing = self._existing_manifest()
+        num_shards = opts.shards or (existing["identity"]["num_shards"] if existing else None)
+        num_shards = num_shards or len(detect_devices(opts.workers)[0])
+        num_shards = min(num_shards, len(data.conversations))
+        identity = {
+            "target_source": target.source or "embedded:SmolLM2-135M-Instruct",
+            "target_hash": target_content_hash(target.load_path),
+            "layer_ids": layer_ids,
+            "hidden_size": hidden,
+            "feature_dtype": "bf16",
+            "tokenizer_hash": template_fingerprint(tokenizer),
+            "data_fingerprint": data.fingerprint,
+            "max_length": opts.max_length,
+            "overlength": opts.overlength,
+            "num_shards": num_shards,
+        }
+        manifest = self._open_manifest(identity, data, target, num_layers, existing)
+        stops = stop_token_ids(target.load_path, tokenizer)
+        export_target_files(folder, tokenizer, self.cache_dir / cf.TARGET_DIR, stops)
+        return manifest, data, target, stops
+
+    def _existing_manifest(self) -> dict[str, Any] | None:
+        if (self.cache_dir / cf.MANIFEST_FILE).exists():
+            return cf.read_manifest(self.cache_dir)
+        return None
+
+    def _open_manifest(self, identity: dict[str, Any], data: LoadedConversations, target: ResolvedTarget,
+                       num_layers: int, existing: dict[str, Any] | None) -> dict[str, Any]:
+        extra = {
+            "target": {"name": target.display_name, "num_hidden_layers": num_layers},
+            "data": {"source": data.source, "conversations": len(data.conversations), "skipped_on_load": data.skipped},
+        }
+        with cf.manifest_lock(self.cache_dir):
+            if existing is not None:
+                existing = cf.read_manifest(self.cache_dir)
+                differences = cf.identity_mismatch(existing["identity"], identity)
+                if not differences:
+                    return existing
+                if not self.options.overwrite:
+                    raise ExtractRefused(
+                        f"the cache {self.cache_dir} was extracted with different settings:\n  "
+                        + "\n  ".join(differences)
+                        + "\nuse another --out, or pass --overwrite to discard the cache and extract again"
+                    )
+                log.warning("--overwrite: discarding the existing cache (%s)", "; ".join(differences))
+                shutil.rmtree(self.cache_dir / cf.SHARDS_DIR, ignore_errors=True)
+                shutil.rmtree(self.cache_dir / cf.TARGET_DIR, ignore_errors=True)
+            manifest = cf.new_manifest(identity, extra)
+            cf.write_json_atomic(self.cache_dir / cf.MANIFEST_FILE, manifest)
+            return manifest
+
+    def _claim_shards(self, manifest: dict[str, Any], stack: ExitStack) -> list[int]:
+        """Lock the shards this run will extract; refuse if another run holds any of them."""
+        from filelock import FileLock, Timeout
+
+        num_shards = int(manifest["identity"]["num_shards"])
+        wanted = (
+            parse_shard_ranges(self.options.only_shards, num_shards)
+            if self.options.only_shards
+            else list(range(num_shards))
+        )
+        if not self.options.overwrite:
+            wanted = [i for i in wanted if manifest["shards"][str(i)].get("status") != cf.SHARD_DONE]
+        locks_dir = self.cache_dir / cf.LOCKS_DIR
+        locks_dir.mkdir(parents=True, exist_ok=True)
+        busy = []
+        for shard in wanted:
+            lock = FileLock(str(locks_dir / f"shard-{shard:05d}.lock"), timeout=0)
+            try:
+                lock.acquire()
+                stack.callback(lock.release)
+            except Timeout:
+                busy.append(shard)
+        if busy:
+            raise ExtractRefused(
+                f"shards {busy} of {self.cache_dir} are being extracted by another running `dflash extract`; "
+                "wait for it, or run a disjoint --only-shards range"
+            )
+        for shard in wanted:  # leftovers of killed runs of these shards (we hold their locks)
+            for stale in (self.cache_dir / cf.SHARDS_DIR).glob(f".{cf.shard_name(shard)}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        return wanted
+
+    # ------------------------------------------------------------------------------------------ running
+
+    def run(self) -> int:
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        setup_logging(self.log_file, verbose=self.options.verbose)
+        print(f"dflash extract: cache directory {self.cache_dir} (log: {self.log_file})", file=sys.stderr)
+        log.info("dflash extract starting (pid %d): %s", os.getpid(), self.options)
+        with ExitStack() as stack:
+            manifest, data, target, stops = self.prepare()
+            shards = self._claim_shards(manifest, stack)
+            if not shards:
+                log.info("every requested shard is already complete: nothing to do")
+                self._summary()
+                return EXIT_OK
+            return self._supervise(manifest, data, target, stops, shards)
+        return EXIT_OK  # pragma: no cover - ExitStack does not swallow exceptions
+
+    def _supervise(self, manifest: dict[str, Any], data: LoadedConversations, target: ResolvedTarget,
+                   stops: list[int], shards: list[int]) -> int:
+        devices, threads = detect_devices(self.options.workers)
+        devices = devices[: len(shards)]
+        identity = manifest["identity"]
+        batch_tokens = self.options.batch_tokens or (32768 if devices[0].startswith("cuda") else 4096)
+        config = WorkerConfig(
+            cache_dir=self.cache_dir,
+            load_path=target.load_path,
+            layer_ids=list(identity["layer_ids"]),
+            max_length=self.options.max_length,
+            overlength=self.options.overlength,
+            batch_tokens=batch_tokens,
+            stop_token_ids=stops,
+            log_file=self.log_file,
+            threads=threads,
+            verbose=self.options.verbose,
+            attributes={"layer_ids": identity["layer_ids"], "hidden_size": identity["hidden_size"],
+                        "feature_dtype": identity["feature_dtype"]},
+        )
+        ranges = split_into_shards(len(data.conversations), int(identity["num_shards"]))
+        context = mp.get_context("spawn")
+        tasks, events = context.Queue(), context.Queue()
+        total_samples = 0
+        for shard in shards:
+            conversations = [data.conversations[i] for i in ranges[shard]]
+            total_samples += len(conversations)
+            tasks.put(ShardTask(shard=shard, conversations=conversations))
+        for _ in devices:
+            tasks.put(None)
+        log.info("extracting %d shard(s) (%d conversations) with %d worker(s) on %s, token budget %d",
+                 len(shards), total_samples, len(devices), ", ".join(sorted(set(devices))), batch_tokens)
+        for worker_id, device in enumerate(devices):
+            process = context.Process(target=worker_main, args=(worker_id, device, config, tasks, events),
+                                      name=f"dflash-extract-{worker_id}", daemon=True)
+            process.start()
+            self.processes.append(process)
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_interrupt)}
+        try:
+            return self._event_loop(set(shards), total_samples, events)
+        except KeyboardInterrupt as interrupt:
+            signum = interrupt.args[0] if interrupt.args else signal.SIGINT
+            log.warning("interrupted (%s): stopping workers; rerun the same command to resume",
+                        signal.Signals(signum).name)
+            self._stop_workers()
+            self._reset_running_shards(shards, cf.SHARD_PENDING)
+            self._write_run_status("interrupted", {})
+            return 128 + int(signum)
+        finally:
+            self._stop_workers()
+            tasks.cancel_join_thread()  # unread tasks of a stopped run must not block our exit
+            tasks.close()
+            events.close()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _event_loop(self, remaining: set[int], total_samples: int, events: Any) -> int:
+        progress = Progress(total_samples)
+        failed_text = None
+        worker_shards: dict[int, int] = {}
+        while remaining:
+            try:
+                kind, worker_id, shard, *payload = events.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in self.processes if p.exitcode not in (None, 0)]
+                if dead:
+                    failed_text = f"worker {dead[0].name} died with exit code {dead[0].exitcode} (see {self.log_file})"
+                    break
+                if all(p.exitcode is not None for p in self.processes):
+                    failed_text = f"all workers exited with shards {sorted(remaining)} unfinished"
+                    break
+                self._write_run_status("running", progress.snapshot())
+                progress.tick()
+                continue
+            if kind == "progress":
+                if worker_shards.get(worker_id) != shard:
+                    worker_shards[worker_id] = shard
+                    self._set_shard(shard, {"status": cf.SHARD_RUNNING, "worker": worker_id, "pid": os.getpid()})
+                progress.add(payload[0], payload[1])
+            elif kind == "shard_done":
+                stats = payload[0]
+                self._set_shard(shard, {"status": cf.SHARD_DONE, **stats, "finished": time.time()})
+                progress.add(sum(stats["skipped"].values()), 0)
+                remaining.discard(shard)
+                log.info("shard %d done: %d samples, %d tokens, skipped %s, %.1f s", shard, stats["samples"],
+                         stats["tokens"], stats["skipped"] or "none", stats["seconds"])
+            elif kind == "error":
+                failed_text = f"worker {worker_id} failed on shard {shard}:\n{payload[0]}"
+                self._set_shard(shard, {"status": cf.SHARD_FAILED, "error": payload[0].strip().splitlines()[-1]})
+                break
+        progress.close()
+        if failed_text is not None:
+            print(f"dflash extract: FAILED. {failed_text}", file=sys.stderr)
+            log.error("run failed: %s", failed_text)
+            self._stop_workers()
+            self._reset_running_shards(sorted(remaining), cf.SHARD_PENDING)
+            self._write_run_status("failed", {"error": failed_text.splitlines()[0]})
+            return EXIT_FAILED
+        self._write_run_status("done", progress.snapshot())
+        self._summary()
+        return EXIT_OK
+
+    def _set_shard(self, shard: int, entry: dict[str, Any]) -> None:
+        def change(manifest: dict[str, Any]) -> None:
+            manifest["shards"][str(shard)] = entry
+
+        cf.update_manifest(self.cache_dir, change)
+
+    def _reset_running_shards(self, shards: list[int], status: str) -> None:
+        def change(manifest: dict[str, Any]) -> None:
+            for shard in shards:
+                entry = manifest["shards"][str(shard)]
+                if entry.get("status") != cf.SHARD_DONE and entry.get("status") != cf.SHARD_FAILED:
+                    manifest["shards"][str(shard)] = {"status": status}
+
+        cf.update_manifest(self.cache_dir, change)
+
+    def _stop_workers(self) -> None:
+        """Terminate and reap every worker: none is left running or as a zombie."""
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        deadline = time.time() + 15
+        for process in self.processes:
+            process.join(timeout=max(0.1, deadline - time.time()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+    def _write_run_status(self, state: str, progress: dict[str, Any]) -> None:
+        cf.write_status(self.cache_dir, "run", {"command": "extract", "pid": os.getpid(), "state": state,
+                                                "started": self.started, **progress})
+
+    def _summary(self) -> None:
+        manifest = cf.read_manifest(self.cache_dir)
+        shards = manifest["shards"].values()
+        done = [s for s in shards if s.get("status") == cf.SHARD_DONE]
+        samples = sum(s["samples"] for s in done)
+        tokens = sum(s["tokens"] for s in done)
+        skipped: dict[str, int] = {}
+        for entry in done:
+            for reason, count in entry.get("skipped", {}).items():
+                skipped[reason] = skipped.get(reason, 0) + count
+        truncated = sum(s.get("truncated", 0) for s in done)
+        message = (f"cache {self.cache_dir}: {len(done)}/{len(manifest['shards'])} shards done, {samples} samples, "
+                   f"{tokens} tokens, {truncated} truncated, skipped {skipped or 'none'}")
+        log.info(message)
+        print(message, file=sys.stderr)
+
+
+class Progress:
+    """One progress bar over all workers (samples, tokens/s, ETA); plain log lines when stderr is not a terminal."""
+
+    def __init__(self, total_samples: int) -> None:
+        from tqdm import tqdm
+
+        self.interactive = sys.stderr.isatty()
+        self.bar = tqdm(total=total_samples, unit="sample", dynamic_ncols=True, disable=not self.interactive,
+                        desc="extract")
+        self.total = total_samples
+        self.samples = 0
+        self.tokens = 0
+        self.started = time.time()
+        self.last_log = self.started
+
+    def add(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        self.bar.update(samples)
+        self.bar.set_postfix_str(f"{self.tokens_per_s():,.0f} tok/s", refresh=False)
+        self.tick()
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(1e-6, time.time() - self.started)
+
+    def tick(self) -> None:
+        if not self.interactive and time.time() - self.last_log > 10:
+            self.last_log = time.time()
+            snap = self.snapshot()
+            log.info("progress: %d/%d samples, %d tokens, %.0f tok/s, ETA %s", self.samples, self.total, self.tokens,
+                     snap["tokens_per_s"], _format_seconds(snap["eta_s"]))
+
+    def snapshot(self) -> dict[str, Any]:
+        elapsed = max(1e-6, time.time() - self.started)
+        rate = self.samples / elapsed
+        eta = (self.total - self.samples) / rate if rate > 0 else None
+        return {"samples_done": self.samples, "samples_total": self.total, "tokens_done": self.tokens,
+                "tokens_per_s": round(self.tokens / elapsed, 1), "eta_s": eta}
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    return time.strftime("%H:%M:%S", time.gmtime(seconds))
+
+
+def _raise_interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(signum)
+
+
+def run_extract(options: ExtractOptions) -> int:
+    return Supervisor(options).run()

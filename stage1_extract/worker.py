@@ -1,0 +1,249 @@
+"""One extraction worker process: owns one device, takes shards from a queue, writes one store per shard.
+
+Spawned by the supervisor (never a thread). Messages to the supervisor go through `events`:
+    ("ready", worker_id)
+    ("progress", worker_id, shard, samples, tokens)
+    ("shard_done", worker_id, shard, stats)
+    ("error", worker_id, shard, traceback_text)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.cache_format import shard_path, write_status
+from shared.logs import get_logger, setup_logging
+from shared.target_loading import load_target_model, load_tokenizer
+from stage1_extract.capture import FeatureCapture
+from stage1_extract.conversations import Conversation, TokenizedSample, tokenize_conversation
+from stage1_extract.shard_writer import FeatureShardWriter
+
+log = get_logger(__name__)
+
+# Fault injection for tests: batches with more padded tokens than this raise a (fake) out-of-memory error.
+FAKE_OOM_ENV = "DFLASH_FAKE_OOM_TOKENS"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    cache_dir: Path
+    load_path: str
+    layer_ids: list[int]
+    max_length: int
+    overlength: str
+    batch_tokens: int
+    stop_token_ids: list[int]
+    log_file: Path
+    threads: int = 0  # CPU threads per worker (0 = torch default)
+    verbose: bool = False
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    shard: int
+    conversations: list[Conversation]
+
+
+def plan_batches(lengths: list[int], batch_tokens: int, pad_multiple: int) -> list[list[int]]:
+    """Group sample positions (already sorted longest first) into batches of at most `batch_tokens` padded tokens."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for position, length in enumerate(lengths):
+        padded = _round_up(max([lengths[i] for i in current] + [length]), pad_multiple)
+        if current and padded * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(position)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when the supervisor dies, so no worker outlives a killed run."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class ShardExtractor:
+    """Turns one shard's conversations into a published store; holds the model between shards."""
+
+    def __init__(self, config: WorkerConfig, device: torch.device, report: Any) -> None:
+        self.config = config
+        self.device = device
+        self.report = report
+        self.tokenizer = load_tokenizer(config.load_path)
+        self.model = load_target_model(config.load_path, str(device))
+        self.capture = FeatureCapture(self.model, config.layer_ids)
+        self.hidden_size = int(self.model.config.hidden_size)
+        self.feature_dim = self.hidden_size * len(config.layer_ids)
+        self.batch_tokens = config.batch_tokens
+        self.pad_multiple = 64 if device.type == "cuda" else 8
+        self.fake_oom_tokens = int(os.environ.get(FAKE_OOM_ENV, "0"))
+        self.oom_retries = 0
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def tokenize(self, task: ShardTask) -> tuple[list[TokenizedSample], dict[str, int]]:
+        samples: list[TokenizedSample] = []
+        skipped: dict[str, int] = {}
+        for conversation in task.conversations:
+            result = tokenize_conversation(
+                self.tokenizer,
+                conversation,
+                max_length=self.config.max_length,
+                overlength=self.config.overlength,
+                stop_token_ids=self.config.stop_token_ids,
+            )
+            if isinstance(result, str):
+                skipped[result] = skipped.get(result, 0) + 1
+            else:
+                samples.append(result)
+        # Longest first (ties by dataset index): batches pad little, and an OOM shows up at once.
+        samples.sort(key=lambda s: (-len(s.input_ids), s.index))
+        return samples, skipped
+
+    def run(self, task: ShardTask) -> dict[str, Any]:
+        started = time.time()
+        samples, skipped = self.tokenize(task)
+        lengths = [len(s.input_ids) for s in samples]
+        offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        token_arrays = {
+            "input_ids": np.concatenate([s.input_ids for s in samples]) if samples else np.zeros(0, np.int32),
+            "loss_mask": np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, np.uint8),
+            "offsets": offsets,
+            "sample_index": np.array([s.index for s in samples], dtype=np.int64),
+            "sample_ids": [s.sample_id for s in samples],
+        }
+        writer = FeatureShardWriter(
+            shard_path(self.config.cache_dir, task.shard),
+            feature_dim=self.feature_dim,
+            token_arrays=token_arrays,
+            attributes={**self.config.attributes, "shard": task.shard},
+        )
+        try:
+            for batch in plan_batches(lengths, self.batch_tokens, self.pad_multiple):
+                self._forward_with_backoff([samples[i] for i in batch], writer, task.shard)
+            stats = {
+                "samples": len(samples),
+                "tokens": int(offsets[-1]),
+                "loss_tokens": int(token_arrays["loss_mask"].sum()),
+                "truncated": sum(s.truncated for s in samples),
+                "skipped": skipped,
+                "seconds": round(time.time() - started, 3),
+                "oom_retries": self.oom_retries,
+            }
+            writer.close(stats)
+        except BaseException:
+            writer.abort()
+            raise
+        stats["bytes"] = int(stats["tokens"]) * self.feature_dim * 2
+        return stats
+
+    def _forward_with_backoff(self, batch: list[TokenizedSample], writer: FeatureShardWriter, shard: int) -> None:
+        """Forward one batch; on out-of-memory halve it and retry both halves (in order), instead of dying."""
+        try:
+            self._forward(batch, writer)
+        except torch.OutOfMemoryError:
+            if len(batch) == 1:
+                raise
+            self.oom_retries += 1
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.batch_tokens = max(self.pad_multiple, self.batch_tokens // 2)
+            log.warning("out of memory on %d samples: retrying as two halves (token budget now %d)",
+                        len(batch), self.batch_tokens)
+            half = len(batch) // 2
+            self._forward_with_backoff(batch[:half], writer, shard)
+            self._forward_with_backoff(batch[half:], writer, shard)
+            return
+        self.report("progress", shard, len(batch), sum(len(s.input_ids) for s in batch))
+
+    def _forward(self, batch: list[TokenizedSample], writer: FeatureShardWriter) -> None:
+        width = _round_up(max(len(s.input_ids) for s in batch), self.pad_multiple)
+        if self.fake_oom_tokens and width * len(batch) > self.fake_oom_tokens and len(batch) > 1:
+            raise torch.OutOfMemoryError(f"fake OOM ({FAKE_OOM_ENV}={self.fake_oom_tokens})")
+        ids = np.zeros((len(batch), width), dtype=np.int64)
+        mask = np.zeros((len(batch), width), dtype=np.int64)
+        for row, sample in enumerate(batch):
+            ids[row, : len(sample.input_ids)] = sample.input_ids
+            mask[row, : len(sample.input_ids)] = 1
+        input_ids = torch.from_numpy(ids).to(self.device, non_blocking=True)
+        attention_mask = torch.from_numpy(mask).to(self.device, non_blocking=True)
+        features = self.capture(input_ids, attention_mask)  # [B, width, D]
+        rows = features[attention_mask.bool()]  # drop padding on the device: [tokens, D], samples back to back
+        if self.device.type == "cuda":
+            # Copy to pinned host memory on a side stream so the next forward overlaps the transfer;
+            # the writer thread waits on the event before touching the rows.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                host.copy_(rows, non_blocking=True)
+                rows.record_stream(self.copy_stream)
+                ready = torch.cuda.Event()
+                ready.record(self.copy_stream)
+            writer.submit(host, ready)
+        else:
+            writer.submit(rows.to(torch.bfloat16))
+
+
+def worker_main(worker_id: int, device_name: str, config: WorkerConfig, tasks: Any, events: Any) -> None:
+    """Entry point of a spawned worker process."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the supervisor, which stops us
+    setup_logging(config.log_file, verbose=config.verbose, console=False)
+    shard = -1
+    progress = {"samples": 0, "tokens": 0}
+    last_heartbeat = 0.0
+
+    def report(kind: str, shard_index: int, *payload: Any) -> None:
+        nonlocal last_heartbeat
+        events.put((kind, worker_id, shard_index, *payload))
+        if kind == "progress":
+            progress["samples"] += payload[0]
+            progress["tokens"] += payload[1]
+        if time.time() - last_heartbeat > 2.0:
+            last_heartbeat = time.time()
+            write_status(config.cache_dir, f"worker-{worker_id}",
+                         {"pid": os.getpid(), "device": device_name, "shard": shard_index, **progress})
+
+    try:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        device = torch.device(device_name)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        log.info("worker %d on %s: loading the target", worker_id, device_name)
+        extractor = ShardExtractor(config, device, report)
+        events.put(("ready", worker_id, -1))
+        while (task := tasks.get()) is not None:
+            shard = task.shard
+            write_status(config.cache_dir, f"worker-{worker_id}",
+                         {"pid": os.getpid(), "device": device_name, "shard": shard, **progress})
+            log.info("worker %d: shard %d (%d conversations)", worker_id, shard, len(task.conversations))
+            stats = extractor.run(task)
+            events.put(("shard_done", worker_id, shard, stats))
+            shard = -1
+    except BaseException:  # noqa: BLE001 - every failure goes to the supervisor with its traceback
+        text = traceback.format_exc()
+        log.error("worker %d failed on shard %d:\n%s", worker_id, shard, text)
+        events.put(("error", worker_id, shard, text))
+        raise SystemExit(1)

@@ -1,0 +1,60 @@
+"""Shared fixtures: a small chat data file, a CLI runner, and one baseline cache reused by several tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_conversations(count: int) -> list[dict]:
+    """Deterministic conversations of varied length, some multi-turn, with a system prompt on some."""
+    records = []
+    for i in range(count):
+        messages = []
+        if i % 4 == 1:
+            messages.append({"role": "system", "content": "You are a concise assistant."})
+        messages += [
+            {"role": "user", "content": f"Question {i}: " + f"tell me about the number {i} and why it matters. " * (1 + i % 4)},
+            {"role": "assistant", "content": f"The number {i} is interesting because " + "it is a number. " * (2 + i % 5)},
+        ]
+        if i % 3 == 0:
+            messages += [{"role": "user", "content": "And more?"},
+                         {"role": "assistant", "content": "Yes: " + "more words here. " * (1 + i % 3)}]
+        records.append({"id": f"conv-{i}", "messages": messages})
+    return records
+
+
+@pytest.fixture(scope="session")
+def chat_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(14)))
+    return path
+
+
+def run_dflash(*args: str, timeout: float = 600, env: dict[str, str] | None = None,
+               check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the real `dflash` CLI in a subprocess (what a user runs)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    result = subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=REPO, env=full_env, text=True,
+                            capture_output=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"dflash {' '.join(args)} exited {result.returncode}:\n{result.stderr[-4000:]}")
+    return result
+
+
+EXTRACT_ARGS = ("--max-length", "96", "--shards", "3", "--batch-tokens", "256")
+
+
+@pytest.fixture(scope="session")
+def baseline_cache(tmp_path_factory: pytest.TempPathFactory, chat_jsonl: Path) -> Path:
+    """An uninterrupted 1-worker extraction of the small chat file: the reference other runs must equal."""
+    out = tmp_path_factory.mktemp("baseline") / "cache"
+    run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS, check=True)
+    return out
