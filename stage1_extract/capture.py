@@ -53,6 +53,7 @@ class FeatureCapture:
         self.model = model
         self.layer_ids = list(layer_ids)
         self._outputs: dict[int, torch.Tensor] = {}
+        self._active = False  # hooks act only inside __call__: other forwards of the model run untouched
         layers = decoder_layers(model)
         self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
 
@@ -60,6 +61,8 @@ class FeatureCapture:
         last = max(self.layer_ids)
 
         def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            if not self._active:
+                return
             self._outputs[layer_id] = output[0] if isinstance(output, tuple) else output
             if layer_id == last:
                 raise _StopForward
@@ -69,10 +72,13 @@ class FeatureCapture:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         self._outputs.clear()
+        self._active = True
         try:
             self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
             pass
+        finally:
+            self._active = False
         features = torch.cat([self._outputs[i] for i in self.layer_ids], dim=-1)
         self._outputs.clear()
         return features

@@ -1,9 +1,11 @@
-"""Write one shard's features into its Zarr store from a background thread, in whole zarr shards.
+"""Write one shard's features into its Zarr store from background threads, in whole zarr shard files.
 
-The forward of the next batch runs while this thread waits for the device-to-host copy of the previous one and
-writes it. A thread is safe here: nothing is compiled in it and it only touches numpy and zarr. Rows are buffered
-until a whole zarr shard is full, because a partial write rewrites the whole shard file (5x slower, see
-docs/cache-format.md). The store is written under a temporary name and renamed into place when complete.
+The forward of the next batch runs while the collector thread waits for the device-to-host copy of the previous
+one and copies its rows into a staging buffer. Threads are safe here: nothing is compiled in them and they only
+touch numpy and files. Rows are buffered until a whole zarr shard file is full (a partial write would rewrite
+the whole file); full buffers are encoded and written by a small pool of file-writer threads
+(`zarr_shard_file`, byte-identical to zarr's own output, at disk speed). The store is written under a
+temporary name and renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import queue
 import shutil
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +22,12 @@ import numpy as np
 import torch
 
 from shared.cache_format import StoreLayout, bf16_bits, create_shard_store, fsync_tree, mark_store_complete
+from stage1_extract.zarr_shard_file import write_shard_file
 
 
 class FeatureShardWriter:
     def __init__(self, final_path: Path, *, feature_dim: int, token_arrays: dict[str, Any], attributes: dict[str, Any],
-                 max_pending: int = 4) -> None:
+                 max_pending: int = 4, file_threads: int = 6) -> None:
         self.final_path = final_path
         self.tmp_path = final_path.with_name(f".{final_path.name}.tmp-{os.getpid()}")
         shutil.rmtree(self.tmp_path, ignore_errors=True)
@@ -31,32 +35,50 @@ class FeatureShardWriter:
         self.features = create_shard_store(self.tmp_path, feature_dim=feature_dim, attributes=attributes, **token_arrays)
         self.num_rows = int(self.features.shape[0])
         self.layout = StoreLayout.for_feature_dim(feature_dim)
-        self._buffer = np.empty((min(self.layout.shard_rows, max(self.num_rows, 1)), feature_dim), dtype=np.uint16)
+        buffer_shape = (min(self.layout.shard_rows, max(self.num_rows, 1)), feature_dim)
+        # Staging buffers, recycled: one being filled, the others being written by the file threads.
+        self._free: queue.Queue[np.ndarray] = queue.Queue()
+        for _ in range(file_threads):
+            self._free.put(np.empty(buffer_shape, dtype=np.uint16))
+        self._buffer = np.empty(buffer_shape, dtype=np.uint16)
         self._buffer_start = 0  # first row the buffer holds
         self._filled = 0
-        self._queue: queue.Queue[tuple[torch.Tensor, Any] | None] = queue.Queue(maxsize=max_pending)
+        self._received = 0
+        self._files = ThreadPoolExecutor(file_threads, thread_name_prefix=f"files-{final_path.name}")
+        self._written: list[Future[int]] = []
+        self._queue: queue.Queue[tuple[torch.Tensor, Any, Any] | None] = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"writer-{final_path.name}", daemon=True)
         self._thread.start()
 
-    def submit(self, rows: torch.Tensor, ready: Any = None) -> None:
-        """Queue rows [n, D] (CPU bf16; `ready` is a CUDA event to wait for when the copy is asynchronous)."""
+    def submit(self, rows: torch.Tensor, ready: Any = None, release: Any = None) -> None:
+        """Queue rows [n, D] (CPU bf16). `ready`: a CUDA event to wait for when the copy is asynchronous;
+        `release`: called once the rows have been copied out, so their (pinned) memory can be reused."""
         self._raise_if_failed()
-        self._queue.put((rows, ready))
+        self._queue.put((rows, ready, release))
 
     def _run(self) -> None:
         try:
             while (item := self._queue.get()) is not None:
-                rows, ready = item
+                rows, ready, release = item
                 if ready is not None:
                     ready.synchronize()
-                self._append(bf16_bits(rows))
+                try:
+                    self._append(bf16_bits(rows))
+                finally:
+                    if release is not None:
+                        release()
         except BaseException as error:  # noqa: BLE001 - handed to the main thread
             self._error = error
             while self._queue.get() is not None:  # drain so producers never block
                 pass
 
     def _append(self, rows: np.ndarray) -> None:
+        self._received += len(rows)
+        if self._received > self.num_rows:
+            # zarr silently drops writes past the array end: refuse instead.
+            raise RuntimeError(f"{self.final_path.name}: {self._received} feature rows written, "
+                               f"the store has {self.num_rows}")
         while len(rows):
             take = min(len(rows), len(self._buffer) - self._filled)
             self._buffer[self._filled : self._filled + take] = rows[:take]
@@ -67,12 +89,18 @@ class FeatureShardWriter:
 
     def _flush(self) -> None:
         end = self._buffer_start + self._filled
-        if end > self.num_rows:
-            # zarr silently drops writes past the array end: refuse instead.
-            raise RuntimeError(f"{self.final_path.name}: {end} feature rows written, the store has {self.num_rows}")
         if self._filled:
-            self.features[self._buffer_start : end] = self._buffer[: self._filled]
+            shard_file = self.tmp_path / "features" / self.features.metadata.encode_chunk_key(
+                (self._buffer_start // self.layout.shard_rows, 0))
+            self._written.append(self._files.submit(self._write_file, str(shard_file), self._buffer, self._filled))
+            self._buffer = self._free.get()  # waits while every buffer is still being written
         self._buffer_start, self._filled = end, 0
+
+    def _write_file(self, path: str, buffer: np.ndarray, rows: int) -> int:
+        try:
+            return write_shard_file(path, buffer[:rows], self.layout.chunk_rows, self.layout.shard_rows)
+        finally:
+            self._free.put(buffer)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -83,8 +111,11 @@ class FeatureShardWriter:
         self._queue.put(None)
         self._thread.join()
         self._raise_if_failed()
-        if self._buffer_start != self.num_rows:
-            raise RuntimeError(f"{self.final_path.name}: {self._buffer_start} of {self.num_rows} feature rows written")
+        self._files.shutdown(wait=True)
+        for written in self._written:
+            written.result()  # re-raises a failed file write (e.g. disk full)
+        if self._received != self.num_rows or self._buffer_start != self.num_rows:
+            raise RuntimeError(f"{self.final_path.name}: {self._received} of {self.num_rows} feature rows written")
         mark_store_complete(self.tmp_path, stats)
         fsync_tree(self.tmp_path)
         if self.final_path.exists():  # an --overwrite rerun of a finished shard
@@ -95,4 +126,5 @@ class FeatureShardWriter:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=60)
+        self._files.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(self.tmp_path, ignore_errors=True)

@@ -55,6 +55,29 @@ class ShardTask:
     conversations: list[Conversation]
 
 
+class PinnedSlots:
+    """A few pinned host buffers of one batch each, allocated once and recycled.
+
+    Allocating pinned memory per batch (a new size almost every batch) costs more than the copy itself; taking
+    a slot blocks while the writer still holds all of them, which also bounds host memory.
+    """
+
+    def __init__(self, count: int, rows: int, width: int) -> None:
+        import queue
+
+        self.rows = rows
+        self.width = width
+        self.free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(count):
+            self.free.put(torch.empty((rows, width), dtype=torch.bfloat16, pin_memory=True))
+
+    def take(self, rows: int) -> tuple[torch.Tensor, Any]:
+        if rows > self.rows:  # one sample longer than the batch budget: a one-off buffer
+            return torch.empty((rows, self.width), dtype=torch.bfloat16, pin_memory=True), None
+        slot = self.free.get()
+        return slot, lambda: self.free.put(slot)
+
+
 def plan_batches(lengths: list[int], batch_tokens: int, pad_multiple: int) -> list[list[int]]:
     """Group sample positions (already sorted longest first) into batches of at most `batch_tokens` padded tokens."""
     batches: list[list[int]] = []
@@ -86,12 +109,13 @@ def _die_with_parent() -> None:
 class ShardExtractor:
     """Turns one shard's conversations into a published store; holds the model between shards."""
 
-    def __init__(self, config: WorkerConfig, device: torch.device, report: Any) -> None:
+    def __init__(self, config: WorkerConfig, device: torch.device, report: Any, model: Any = None,
+                 tokenizer: Any = None) -> None:
         self.config = config
         self.device = device
         self.report = report
-        self.tokenizer = load_tokenizer(config.load_path)
-        self.model = load_target_model(config.load_path, str(device))
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.load_path)
+        self.model = model if model is not None else load_target_model(config.load_path, str(device))
         self.capture = FeatureCapture(self.model, config.layer_ids)
         self.hidden_size = int(self.model.config.hidden_size)
         self.feature_dim = self.hidden_size * len(config.layer_ids)
@@ -100,6 +124,7 @@ class ShardExtractor:
         self.fake_oom_tokens = int(os.environ.get(FAKE_OOM_ENV, "0"))
         self.oom_retries = 0
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pinned = PinnedSlots(4, self.batch_tokens, self.feature_dim) if device.type == "cuda" else None
 
     def tokenize(self, task: ShardTask) -> tuple[list[TokenizedSample], dict[str, int]]:
         samples: list[TokenizedSample] = []
@@ -123,6 +148,11 @@ class ShardExtractor:
     def run(self, task: ShardTask) -> dict[str, Any]:
         started = time.time()
         samples, skipped = self.tokenize(task)
+        return self.write_shard(task.shard, samples, skipped, started)
+
+    def write_shard(self, shard: int, samples: list[TokenizedSample], skipped: dict[str, int],
+                    started: float) -> dict[str, Any]:
+        """Forward `samples` (sorted longest first) in token-budget batches and publish the shard's store."""
         lengths = [len(s.input_ids) for s in samples]
         offsets = np.zeros(len(samples) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -134,14 +164,14 @@ class ShardExtractor:
             "sample_ids": [s.sample_id for s in samples],
         }
         writer = FeatureShardWriter(
-            shard_path(self.config.cache_dir, task.shard),
+            shard_path(self.config.cache_dir, shard),
             feature_dim=self.feature_dim,
             token_arrays=token_arrays,
-            attributes={**self.config.attributes, "shard": task.shard},
+            attributes={**self.config.attributes, "shard": shard},
         )
         try:
             for batch in plan_batches(lengths, self.batch_tokens, self.pad_multiple):
-                self._forward_with_backoff([samples[i] for i in batch], writer, task.shard)
+                self._forward_with_backoff([samples[i] for i in batch], writer, shard)
             stats = {
                 "samples": len(samples),
                 "tokens": int(offsets[-1]),
@@ -192,15 +222,16 @@ class ShardExtractor:
         rows = features[attention_mask.bool()]  # drop padding on the device: [tokens, D], samples back to back
         if self.device.type == "cuda":
             # Copy to pinned host memory on a side stream so the next forward overlaps the transfer;
-            # the writer thread waits on the event before touching the rows.
+            # the writer thread waits on the event before touching the rows, then hands the slot back.
+            slot, release = self.pinned.take(rows.shape[0])
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                host = slot[: rows.shape[0]]
                 host.copy_(rows, non_blocking=True)
                 rows.record_stream(self.copy_stream)
                 ready = torch.cuda.Event()
                 ready.record(self.copy_stream)
-            writer.submit(host, ready)
+            writer.submit(host, ready, release)
         else:
             writer.submit(rows.to(torch.bfloat16))
 

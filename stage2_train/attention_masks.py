@@ -1,0 +1,219 @@
+"""The DFlash training attention mask.
+
+Training layout for one sequence of (valid) length S with sorted anchors p_1 < ... < p_A and block size Bk:
+
+* queries: A * Bk block positions; block j holds positions p_j, p_j + 1, ..., p_j + Bk - 1;
+* keys: [C context positions 0..C-1] + [the same A * Bk block positions] (C >= S when the batch is padded).
+
+A query of block j may see context key c iff c < p_j (strictly before its anchor), and block key (j', k') iff
+j' == j (bidirectional inside its own block). It never sees another block.
+
+Batches hold B sequences padded to the same number of anchors A (``anchor_valid`` marks real ones) and the same
+context length C (``context_lengths`` holds each real length). A padded anchor block sees only its own block, so
+its softmax rows are never empty (no NaN) and, since no other block can see it, it never affects a valid block.
+
+One predicate (`_visible`) defines the rule. It is evaluated on broadcast index tensors for the dense boolean mask
+(eager / SDPA backends) and on scalar indices as a flex-attention ``mask_mod``, so both backends share one
+definition. An optional sliding window additionally requires ``q_position - k_position < window``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class AnchorLayout:
+    """Where the anchor blocks of a padded batch sit.
+
+    anchors: [B, A] long; entries where ``anchor_valid`` is False are ignored (any value in range works).
+    anchor_valid: [B, A] bool.
+    context_lengths: [B] long, the valid context length S_b of each sequence (<= context_len).
+    context_len: C, the padded number of context key positions (the context features' second dimension).
+    block_size: Bk.
+    """
+
+    anchors: Tensor
+    anchor_valid: Tensor
+    context_lengths: Tensor
+    context_len: int
+    block_size: int
+
+    @classmethod
+    def from_anchor_lists(
+        cls,
+        anchor_lists: Sequence[Sequence[int] | Tensor],
+        context_lengths: Sequence[int],
+        block_size: int,
+        num_blocks: int | None = None,
+        context_len: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> AnchorLayout:
+        """Pad per-sequence anchor lists to ``num_blocks`` (default: the longest list) and validate them."""
+        lists = [torch.as_tensor(a, dtype=torch.long).flatten().cpu() for a in anchor_lists]
+        if len(lists) != len(context_lengths):
+            raise ValueError(f"{len(lists)} anchor lists for {len(context_lengths)} context lengths")
+        longest = max((len(a) for a in lists), default=0)
+        num_blocks = longest if num_blocks is None else num_blocks
+        if num_blocks < longest:
+            raise ValueError(f"num_blocks={num_blocks} is smaller than the longest anchor list ({longest})")
+        anchors = torch.zeros(len(lists), num_blocks, dtype=torch.long)
+        valid = torch.zeros(len(lists), num_blocks, dtype=torch.bool)
+        for row, a in enumerate(lists):
+            anchors[row, : len(a)] = a
+            valid[row, : len(a)] = True
+        lengths = torch.as_tensor(list(context_lengths), dtype=torch.long)
+        context_len = int(lengths.max()) if context_len is None else context_len
+        layout = cls(anchors, valid, lengths, context_len, block_size)
+        layout.validate()  # on the CPU copies: no device sync
+        return layout.to(device) if device is not None else layout
+
+    def to(self, device: torch.device | str) -> AnchorLayout:
+        """The same layout with its tensors on ``device``."""
+        return replace(
+            self,
+            anchors=self.anchors.to(device),
+            anchor_valid=self.anchor_valid.to(device),
+            context_lengths=self.context_lengths.to(device),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.anchors.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchors.shape[1]
+
+    @property
+    def num_queries(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_keys(self) -> int:
+        return self.context_len + self.num_queries
+
+    @property
+    def device(self) -> torch.device:
+        return self.anchors.device
+
+    def validate(self) -> None:
+        """Check shapes and that every valid anchor lies inside its sequence (syncs with the device)."""
+        if self.anchors.shape != self.anchor_valid.shape or self.anchors.dim() != 2:
+            raise ValueError(f"anchors {tuple(self.anchors.shape)} / anchor_valid {tuple(self.anchor_valid.shape)}")
+        if self.context_lengths.shape != (self.batch_size,):
+            shape = tuple(self.context_lengths.shape)
+            raise ValueError(f"context_lengths has shape {shape}, want ({self.batch_size},)")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if bool((self.context_lengths > self.context_len).any()):
+            raise ValueError(f"a context length exceeds context_len={self.context_len}")
+        bad = self.anchor_valid & ((self.anchors < 0) | (self.anchors >= self.context_lengths[:, None]))
+        if bool(bad.any()):
+            raise ValueError("a valid anchor lies outside [0, context_length) of its sequence")
+
+    def query_position_ids(self) -> Tensor:
+        """[B, A * Bk] positions of the block queries: anchor + offset (padded blocks get harmless positions)."""
+        offsets = torch.arange(self.block_size, device=self.device)
+        anchors = torch.where(self.anchor_valid, self.anchors, torch.zeros_like(self.anchors))
+        return (anchors[:, :, None] + offsets).reshape(self.batch_size, self.num_queries)
+
+    def context_position_ids(self) -> Tensor:
+        """[B, C] positions of the context keys: 0..C-1."""
+        return torch.arange(self.context_len, device=self.device).expand(self.batch_size, -1)
+
+
+def _visible(
+    layout: AnchorLayout, b: Tensor, q_idx: Tensor, kv_idx: Tensor, sliding_window: int | None
+) -> Tensor:
+    """The DFlash visibility rule for (batch b, query index q_idx, key index kv_idx); inputs broadcast."""
+    bk, ctx_len = layout.block_size, layout.context_len
+    q_block = q_idx // bk
+    anchor = layout.anchors[b, q_block]
+    valid = layout.anchor_valid[b, q_block]
+    is_context = kv_idx < ctx_len
+    kv_block = torch.clamp(kv_idx - ctx_len, min=0) // bk
+    sees_context = is_context & valid & (kv_idx < anchor) & (kv_idx < layout.context_lengths[b])
+    sees_own_block = ~is_context & (kv_block == q_block)
+    visible = sees_context | sees_own_block
+    if sliding_window is not None:
+        q_pos = anchor + q_idx % bk
+        k_pos = torch.where(is_context, kv_idx, layout.anchors[b, kv_block] + (kv_idx - ctx_len) % bk)
+        visible = visible & (q_pos - k_pos < sliding_window)
+    return visible
+
+
+def _check_window(layout: AnchorLayout, sliding_window: int | None) -> None:
+    if sliding_window is not None and sliding_window < layout.block_size:
+        raise ValueError(f"sliding_window={sliding_window} must be >= block_size={layout.block_size}")
+
+
+def batch_dense_mask(layout: AnchorLayout, sliding_window: int | None = None) -> Tensor:
+    """Boolean mask [B, A * Bk, C + A * Bk]; True = the query may attend to the key."""
+    _check_window(layout, sliding_window)
+    device = layout.device
+    b = torch.arange(layout.batch_size, device=device)[:, None, None]
+    q_idx = torch.arange(layout.num_queries, device=device)[None, :, None]
+    kv_idx = torch.arange(layout.num_keys, device=device)[None, None, :]
+    return _visible(layout, b, q_idx, kv_idx, sliding_window)
+
+
+def dense_mask(anchors: Sequence[int] | Tensor, seq_len: int, block_size: int) -> Tensor:
+    """Boolean mask [A * Bk, S + A * Bk] for one sequence of length S with the given anchors."""
+    layout = AnchorLayout.from_anchor_lists([anchors], [seq_len], block_size)
+    return batch_dense_mask(layout)[0]
+
+
+def make_mask_mod(layout: AnchorLayout, sliding_window: int | None = None) -> MaskMod:
+    """A flex-attention ``mask_mod(b, h, q_idx, kv_idx)`` implementing the DFlash rule for ``layout``."""
+    _check_window(layout, sliding_window)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return _visible(layout, b, q_idx, kv_idx, sliding_window)
+
+    return mask_mod
+
+
+def make_block_mask(layout: AnchorLayout, sliding_window: int | None = None, compile: bool | None = None):
+    """A flex-attention BlockMask for ``layout`` (heads broadcast). ``compile`` defaults to True on CUDA."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    compile = layout.device.type == "cuda" if compile is None else compile
+    return create_block_mask(
+        make_mask_mod(layout, sliding_window),
+        B=layout.batch_size,
+        H=None,
+        Q_LEN=layout.num_queries,
+        KV_LEN=layout.num_keys,
+        device=layout.device,
+        _compile=compile,
+    )
+
+
+# --- masks for an arbitrary query/key position layout (inference with a sliding window, explicit masks) ---
+
+
+def window_dense_mask(q_position_ids: Tensor, k_position_ids: Tensor, sliding_window: int) -> Tensor:
+    """[B, Q, K] bool: key visible iff q_position - k_position < window (not causal, like the block itself)."""
+    return (q_position_ids[:, :, None] - k_position_ids[:, None, :]) < sliding_window
+
+
+def dense_to_block_mask(mask: Tensor, compile: bool | None = None):
+    """Wrap an explicit boolean mask [B, Q, K] as a flex-attention BlockMask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    compile = mask.device.type == "cuda" if compile is None else compile
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return mask[b, q_idx, kv_idx]
+
+    batch, q_len, kv_len = mask.shape
+    return create_block_mask(
+        mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=mask.device, _compile=compile
+    )
