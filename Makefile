@@ -5,11 +5,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WORK ?= work
 # Size of the `make all` run (see README: "Sizing make all").
-SAMPLES ?= 400
-MAX_LENGTH ?= 1024
+SAMPLES ?= 100
+MAX_LENGTH ?= 512
 WORKERS ?= 2
 
-.PHONY: install test test-all all bench clean
+.PHONY: install test test-all all bench bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -33,8 +33,14 @@ all: $(STAMP)
 	$(BIN)/dflash extract --out $(WORK)/cache --max-samples $(SAMPLES) --max-length $(MAX_LENGTH) --workers $(WORKERS)
 	$(BIN)/dflash inspect --cache $(WORK)/cache --verify
 
+# CPU figures (SmolLM2 over ShareGPT); results in benchmarks/results/*.json and the README.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_extract_cpu.py --out benchmarks/results
+	$(BIN)/python benchmarks/bench_extract.py --target smollm2 --tokens 4000 --threads 2 --out benchmarks/results
+
+# On a GPU machine (see README "Benchmarks"): Qwen3-8B-shaped random-weight target, ~200K tokens.
+bench-gpu:
+	python3 benchmarks/bench_writer.py --gb 4 --out benchmarks/results
+	python3 benchmarks/bench_extract.py --target qwen3-8b-random --out benchmarks/results
 
 clean:
 	rm -rf $(WORK)

@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "extract": ("stage1_extract.cli", "extract_command"),
     "status": ("shared.cache_commands", "status_command"),
     "inspect": ("shared.cache_commands", "inspect_command"),
+    "train": ("stage2_train.cli", "train_command"),
+    "export": ("stage2_train.cli", "export_command"),
 }
 
 
@@ -39,7 +41,8 @@ def dflash() -> None:
 
     \b
     1. dflash extract   run the target over chat data, cache its hidden states (Zarr v3)
-    2. dflash train     train the drafter from that cache (coming next)
+    2. dflash train     train the drafter from that cache (HF Accelerate), measure acceptance, export
+    dflash export       export a checkpoint as a Hugging Face folder
     dflash status / inspect   look at a cache and the run filling it
     """
 
