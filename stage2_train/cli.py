@@ -1,0 +1,83 @@
+"""Command line of stage 2: `dflash train` and `dflash export`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command("train")
+@click.option("--cache", type=click.Path(path_type=Path, file_okay=False, exists=True), required=True,
+              help="Feature cache made by `dflash extract`.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("dflash_run"), show_default=True,
+              help="Run directory: logs, metrics, TensorBoard, plots, checkpoints/, export/.")
+@click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N optimizer steps.")
+@click.option("--draft-layers", type=click.IntRange(1, 16), default=None,
+              help="Drafter layers. Default: the number of captured target layers.")
+@click.option("--block-size", type=click.IntRange(2, 64), default=16, show_default=True)
+@click.option("--sliding-window", type=click.IntRange(min=1), default=None,
+              help="Make every drafter layer but the last a sliding-window layer of this many positions.")
+@click.option("--mask-token-id", type=int, default=None,
+              help="Token whose embedding fills unknown block positions. Default: the reference resolution order.")
+@click.option("--lr", type=float, default=6e-4, show_default=True)
+@click.option("--warmup", type=float, default=0.04, show_default=True, help="Warm-up fraction of the steps.")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--clip", type=float, default=1.0, show_default=True, help="Gradient-norm clip (0 = off).")
+@click.option("--batch-tokens", type=click.IntRange(min=16), default=8192, show_default=True,
+              help="Padded context tokens per micro-batch (per process).")
+@click.option("--grad-accum", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--max-anchors", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Anchors (blocks) sampled per sequence, afresh every epoch.")
+@click.option("--gamma", type=float, default=None, help="Loss decay over block positions (default 7 for B=16).")
+@click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
+@click.option("--eval-every", type=click.IntRange(min=0), default=200, show_default=True)
+@click.option("--eval-sequences", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=500, show_default=True)
+@click.option("--resume", is_flag=True, help="Continue exactly from the latest checkpoint in --out.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--attention", type=click.Choice(["auto", "flex", "sdpa", "eager"]), default="auto", show_default=True,
+              help="auto = flex_attention on CUDA, SDPA with an explicit mask on CPU.")
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile the drafter (in each process).")
+@click.option("--fsdp", is_flag=True, help="Shard the drafter with FSDP instead of DDP.")
+@click.option("--mixed-precision", type=click.Choice(["auto", "bf16", "no"]), default="auto", show_default=True)
+@click.option("--num-workers", type=click.IntRange(min=0), default=2, show_default=True, help="DataLoader workers.")
+@click.option("--processes", type=click.IntRange(min=1), default=None,
+              help="Training processes to spawn on this machine (default: one per GPU, 1 on CPU). "
+                   "`accelerate launch -m shared.cli train ...` works too.")
+@click.option("-v", "--verbose", is_flag=True)
+def train_command(processes: int | None, compile_: bool, **kwargs: object) -> None:
+    """Stage 2: train a DFlash drafter from a feature cache, measure its offline acceptance, export it.
+
+    The target model is never loaded: the cache's target/ folder supplies the frozen embedding and LM head.
+    Every --eval-every steps the held-out split reports loss, per-position accuracy and the offline acceptance
+    length tau (a greedy decoding walk over cached features). The export lands in OUT/export/.
+    """
+    import os
+
+    import torch
+
+    from stage2_train.trainer import TrainOptions, run_training, spawn_processes
+
+    options = TrainOptions(compile=compile_, **kwargs)  # type: ignore[arg-type]
+    if processes is None:
+        processes = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    if processes > 1 and "RANK" not in os.environ:
+        sys.exit(spawn_processes(options, processes))
+    run_training(options)
+
+
+@click.command("export")
+@click.option("--run", "run_dir", type=click.Path(path_type=Path, file_okay=False, exists=True), required=True,
+              help="Run directory of `dflash train`.")
+@click.option("--checkpoint", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Checkpoint folder (default: the latest complete one).")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Default: RUN/export.")
+def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> None:
+    """Export a checkpoint of a run as a Hugging Face folder (config.json + model.safetensors)."""
+    from stage2_train.trainer import export_checkpoint
+
+    path = export_checkpoint(run_dir, checkpoint, out)
+    click.echo(f"exported {path}")

@@ -1,0 +1,67 @@
+"""Export the drafter as a Hugging Face folder that z-lab/dflash, vLLM and SGLang load unchanged.
+
+`config.json` (the reference DFlashDraftModel config: Qwen3 sizes, `block_size`, `num_target_layers`,
+`dflash_config: {mask_token_id, target_layer_ids}`, `layer_types`, `rope_theta`, `rms_norm_eps`) and
+`model.safetensors` with the reference weight names and no prefix. A `dflash_target.json` beside them records which
+target and cache the drafter was trained for, so evaluation can refuse a mismatched target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.errors import UserError
+from stage2_train.draft_model import DFlashConfig, DFlashDraftModel
+
+WEIGHTS_FILE = "model.safetensors"
+TARGET_INFO_FILE = "dflash_target.json"
+
+
+def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any]) -> None:
+    """Write config.json + model.safetensors (bf16) atomically into out_dir."""
+    from safetensors.torch import save_file
+
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = model.config.to_dict()
+    config["torch_dtype"] = "bfloat16"
+    config["dtype"] = "bfloat16"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    state = {name: tensor.detach().to(torch.bfloat16).contiguous().cpu() for name, tensor in model.state_dict().items()}
+    save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    identity = manifest.get("identity", {})
+    info = {
+        "target_source": identity.get("target_source"),
+        "target_hash": identity.get("target_hash"),
+        "tokenizer_hash": identity.get("tokenizer_hash"),
+        "hidden_size": identity.get("hidden_size"),
+        "vocab_size": config.get("vocab_size"),
+        "layer_ids": identity.get("layer_ids"),
+    }
+    (tmp / TARGET_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def load_draft(export_dir: Path, attn_implementation: str = "auto") -> DFlashDraftModel:
+    """Load an exported drafter (ours or a reference export) into DFlashDraftModel, strictly."""
+    from safetensors.torch import load_file
+
+    config_path = export_dir / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{export_dir} is not an exported drafter: config.json not found (run `dflash export`)")
+    config = DFlashConfig.from_dict(json.loads(config_path.read_text()))
+    model = DFlashDraftModel(config, attn_implementation=attn_implementation)  # type: ignore[arg-type]
+    state = load_file(str(export_dir / WEIGHTS_FILE))
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise UserError(f"{export_dir / WEIGHTS_FILE} does not match the DFlash drafter: missing {missing[:5]}, "
+                        f"unexpected {unexpected[:5]}")
+    return model

@@ -1,0 +1,158 @@
+"""Stage 2 end to end: the real `dflash train` CLI on a cache extracted from the embedded SmolLM2 target."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shared import cache_format as cf
+from shared.errors import UserError
+from stage2_train.acceptance import offline_acceptance
+from stage2_train.data import CacheIndex, eval_sequences
+from stage2_train.draft_model import DFlashConfig, DFlashDraftModel
+from stage2_train.export import load_draft
+from stage2_train.target_parts import load_target_parts, resolve_mask_token
+from tests.conftest import REPO, make_conversations, run_dflash
+
+REFERENCE_LAYER_KEYS = [
+    "input_layernorm.weight", "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+    "post_attention_layernorm.weight", "self_attn.k_norm.weight", "self_attn.k_proj.weight",
+    "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.q_proj.weight", "self_attn.v_proj.weight",
+]
+# Small and fast on 2 CPU cores, but the real model, data path, loss and loop.
+TRAIN_ARGS = ("--draft-layers", "1", "--max-anchors", "24", "--batch-tokens", "768", "--num-workers", "1",
+              "--eval-fraction", "0.15", "--eval-sequences", "6", "--mixed-precision", "no")
+
+
+@pytest.fixture(scope="module")
+def train_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    data = tmp_path_factory.mktemp("train_data") / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)))
+    out = tmp_path_factory.mktemp("train_cache") / "cache"
+    run_dflash("extract", "--data", str(data), "--out", str(out), "--max-length", "128", "--workers", "2",
+               "--batch-tokens", "1024", check=True)
+    return out
+
+
+def test_mask_token_for_smollm2_is_an_unused_special_token(train_cache: Path) -> None:
+    parts = load_target_parts(train_cache)
+    assert parts.vocab_size == 49152 and parts.hidden_size == 576
+    assert resolve_mask_token(parts) == 16  # <empty_output>: special, unused by template, bos/eos/pad
+    assert resolve_mask_token(parts, explicit=7) == 7
+    assert resolve_mask_token(parts, previous=9) == 9
+    with pytest.raises(UserError):
+        resolve_mask_token(parts, explicit=49152)
+
+
+def _final_losses(run: Path) -> dict[int, float]:
+    losses: dict[int, float] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            losses[record["step"]] = record["loss"]  # a resumed run rewrites steps after its checkpoint
+    return losses
+
+
+def test_train_learns_beats_untrained_and_exports_the_reference_format(train_cache: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    result = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--epochs", "5", "--lr", "4e-3",
+                        "--eval-every", "0", "--checkpoint-every", "0", *TRAIN_ARGS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    export = run / "export"
+    config = json.loads((export / "config.json").read_text())
+    for key in ("block_size", "num_target_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "num_hidden_layers", "rope_theta", "rms_norm_eps", "layer_types"):
+        assert key in config, key
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [1, 8, 14, 20, 27]}
+    assert config["num_hidden_layers"] == len(config["layer_types"]) == 1 and config["num_target_layers"] == 30
+    weights = load_file(str(export / "model.safetensors"))
+    expected = sorted([f"layers.0.{k}" for k in REFERENCE_LAYER_KEYS] + ["fc.weight", "hidden_norm.weight",
+                                                                        "norm.weight"])
+    assert sorted(weights) == expected
+    assert weights["fc.weight"].shape == (576, 5 * 576)
+    assert weights["layers.0.self_attn.k_proj.weight"].shape == (3 * 64, 576)
+
+    # Reload: the exported folder gives exactly the logits of the trained weights (as stored, bf16).
+    reloaded = load_draft(export).eval()
+    checkpoint = sorted((run / "checkpoints").glob("step-*"))[-1]
+    trained = DFlashDraftModel(DFlashConfig.from_dict(json.loads((run / "draft_config.json").read_text()))).eval()
+    trained.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in
+                             load_file(str(checkpoint / "model.safetensors")).items()})
+    generator = torch.Generator().manual_seed(0)
+    noise, context = torch.randn(1, 16, 576, generator=generator), torch.randn(1, 40, 5 * 576, generator=generator)
+    positions = torch.arange(40, 56)[None]
+    with torch.no_grad():
+        assert torch.equal(reloaded(noise, context, positions), trained(noise, context, positions))
+
+    # Learning: held-out offline acceptance beats the untrained drafter of the same configuration.
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained_tau = [m for m in metrics if "eval/tau_walk" in m][-1]["eval/tau_walk"]
+    parts = load_target_parts(train_cache)
+    untrained = DFlashDraftModel(DFlashConfig.from_dict(json.loads((run / "draft_config.json").read_text())))
+    index = CacheIndex.from_cache(train_cache, 0.15, 0)
+    with torch.no_grad():
+        untrained_tau = offline_acceptance(untrained, parts.embed_tokens.float(), parts.lm_head.float(),
+                                           eval_sequences(index, 6), 16, 16)["tau_walk"]
+    losses = _final_losses(run)
+    assert losses[max(losses)] < 0.6 * losses[1]
+    assert untrained_tau < 1.1
+    assert trained_tau > untrained_tau + 0.3, (trained_tau, untrained_tau)
+    assert (run / "training.png").is_file() and list((run / "tensorboard").iterdir())
+
+
+def test_two_processes_give_the_same_update_as_one_with_accumulation(train_cache: Path, tmp_path: Path) -> None:
+    runs = {}
+    for name, args in {"ddp2": ("--processes", "2", "--grad-accum", "1"),
+                       "single": ("--processes", "1", "--grad-accum", "2")}.items():
+        runs[name] = tmp_path / name
+        result = run_dflash("train", "--cache", str(train_cache), "--out", str(runs[name]), "--max-steps", "2",
+                            "--eval-every", "0", "--checkpoint-every", "0", "--num-workers", "0", *TRAIN_ARGS[:6],
+                            "--eval-fraction", "0.15", "--eval-sequences", "1", "--mixed-precision", "no", *args)
+        assert result.returncode == 0, result.stderr[-3000:]
+    weights = [load_file(str(sorted((runs[n] / "checkpoints").glob("step-*"))[-1] / "model.safetensors"))
+               for n in ("ddp2", "single")]
+    for key in weights[0]:
+        torch.testing.assert_close(weights[0][key], weights[1][key], rtol=1e-5, atol=1e-6, msg=key)
+    assert _final_losses(runs["ddp2"]) == pytest.approx(_final_losses(runs["single"]), rel=1e-5)
+
+
+def test_killed_training_resumes_to_the_same_loss_curve(train_cache: Path, tmp_path: Path) -> None:
+    args = ("--max-steps", "8", "--eval-every", "0", "--checkpoint-every", "3", "--lr", "3e-3", *TRAIN_ARGS)
+    straight = tmp_path / "straight"
+    assert run_dflash("train", "--cache", str(train_cache), "--out", str(straight), *args).returncode == 0
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "-m", "shared.cli", "train", "--cache", str(train_cache), "--out",
+                                str(killed), *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "step-00000003" / "complete").is_file():
+        assert time.time() < deadline and process.poll() is None, "no checkpoint appeared"
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    resumed = run_dflash("train", "--cache", str(train_cache), "--out", str(killed), "--resume", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    assert _final_losses(killed) == _final_losses(straight)
+    assert len(_final_losses(killed)) == 8
+
+
+def test_train_refuses_a_damaged_cache_naming_the_shard(train_cache: Path, tmp_path: Path) -> None:
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(train_cache, cache)
+    shutil.rmtree(cf.shard_path(cache, 1))
+    result = run_dflash("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--max-steps", "1")
+    assert result.returncode == 2
+    assert "shard 1" in result.stderr and "--only-shards 1 --overwrite" in result.stderr
+    assert "Traceback" not in result.stderr

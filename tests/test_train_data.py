@@ -1,0 +1,452 @@
+"""Stage 2 data pipeline over a real (synthetic-content) feature cache: index, split, plans, loader, labels."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared import cache_format as cf
+from stage1_extract.shard_writer import FeatureShardWriter
+from stage2_train import data as td
+from stage2_train.data import CacheBatches, CacheError, CacheIndex, Sample, block_labels, plan_epoch, rank_plan
+
+DIM = 48
+PAD = 16
+
+
+# ------------------------------------------------------------------------------------------ synthetic cache
+
+
+def _loss_mask(rng: np.random.Generator, length: int, kind: str) -> np.ndarray:
+    mask = np.zeros(length, np.uint8)
+    if kind == "none":  # no assistant token at all
+        return mask
+    if kind == "alternating":  # assistant tokens, but never two in a row: no anchor candidate
+        mask[1::2] = 1
+        return mask
+    if kind == "last":  # only the last two tokens: exactly one candidate, p = length - 2
+        mask[-2:] = 1
+        return mask
+    prompt = int(rng.integers(0, max(1, length // 3)))  # a prompt, then turns with some holes
+    mask[prompt:] = 1
+    mask[rng.random(length) < 0.1] = 0
+    return mask
+
+
+def build_cache(root: Path, shard_samples: list[int], *, dim: int = DIM, seed: int = 0, min_len: int = 1,
+                max_len: int = 300, pending: int = 0, order: list[int] | None = None,
+                rows_per_chunk: int | None = 16, kinds: bool = True) -> Path:
+    """A cache written the way `dflash extract` writes one: samples sorted longest first in each shard, stores
+    by FeatureShardWriter, manifest entries with the stats a worker reports. Sample i of the dataset is fully
+    determined by (seed, i), so caches with another shard count hold the same samples."""
+    root.mkdir(parents=True, exist_ok=True)
+    num_shards = len(shard_samples) + pending
+    identity = {"target_source": "synthetic", "target_hash": "0" * 16, "layer_ids": [1, 2, 3],
+                "hidden_size": dim // 3, "feature_dtype": "bf16", "tokenizer_hash": "t", "data_fingerprint": "d",
+                "max_length": max_len, "overlength": "truncate", "num_shards": num_shards}
+    manifest = cf.new_manifest(identity, {"target": {"name": "synthetic", "num_hidden_layers": 4},
+                                          "data": {"source": "synthetic", "conversations": sum(shard_samples)}})
+    saved = cf.CHUNK_TARGET_BYTES, cf.SHARD_TARGET_BYTES
+    if rows_per_chunk:  # small chunks and zarr shards, so one sample spans several of each
+        cf.CHUNK_TARGET_BYTES, cf.SHARD_TARGET_BYTES = rows_per_chunk * dim * 2, 3 * rows_per_chunk * dim * 2
+    try:
+        for shard in order if order is not None else range(len(shard_samples)):
+            count = shard_samples[shard]
+            indices = list(range(sum(shard_samples[:shard]), sum(shard_samples[:shard + 1])))
+            samples = []
+            for index in indices:
+                rng = np.random.default_rng([seed, index])
+                length = int(rng.integers(min_len, max_len + 1))
+                kind = ["none", "alternating", "last", "normal"][index % 7] if kinds and index % 7 < 3 else "normal"
+                if kind == "last" and length < 2:
+                    kind = "normal"
+                samples.append((index, rng.integers(0, 1000, length).astype(np.int32), _loss_mask(rng, length, kind),
+                                torch.randn(length, dim, generator=torch.Generator().manual_seed(index))
+                                .to(torch.bfloat16)))
+            samples.sort(key=lambda s: (-len(s[1]), s[0]))
+            lengths = [len(s[1]) for s in samples]
+            offsets = np.zeros(count + 1, np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            loss_mask = np.concatenate([s[2] for s in samples])
+            token_arrays = {"input_ids": np.concatenate([s[1] for s in samples]), "loss_mask": loss_mask,
+                            "offsets": offsets, "sample_index": np.array([s[0] for s in samples], np.int64),
+                            "sample_ids": [f"conv-{s[0]}" for s in samples]}
+            writer = FeatureShardWriter(cf.shard_path(root, shard), feature_dim=dim, token_arrays=token_arrays,
+                                        attributes={"layer_ids": [1, 2, 3], "shard": shard})
+            rows = torch.cat([s[3] for s in samples])
+            for begin in range(0, len(rows), 37):  # uneven batches, as a worker submits them
+                writer.submit(rows[begin : begin + 37])
+            stats = {"samples": count, "tokens": int(offsets[-1]), "loss_tokens": int(loss_mask.sum()),
+                     "truncated": 0, "skipped": {}, "seconds": 0.1, "oom_retries": 0}
+            writer.close(stats)
+            manifest["shards"][str(shard)] = {"status": cf.SHARD_DONE, **stats, "bytes": int(offsets[-1]) * dim * 2,
+                                              "finished": time.time()}
+    finally:
+        cf.CHUNK_TARGET_BYTES, cf.SHARD_TARGET_BYTES = saved
+    cf.write_json_atomic(root / cf.MANIFEST_FILE, manifest)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Three finished shards and one still pending (no store): the pending one must simply be left out.
+    return build_cache(tmp_path_factory.mktemp("train") / "cache", [40, 33, 47], pending=1)
+
+
+@pytest.fixture(scope="module")
+def index(cache: Path) -> CacheIndex:
+    return CacheIndex.from_cache(cache, eval_fraction=0.15, seed=3)
+
+
+def stored_samples(cache: Path) -> dict[tuple[int, int], dict]:
+    """Every sample of every finished store, read plainly with ShardReader."""
+    result = {}
+    manifest = cf.read_manifest(cache)
+    for key, entry in manifest["shards"].items():
+        if entry["status"] != cf.SHARD_DONE:
+            continue
+        reader = cf.ShardReader(cf.shard_path(cache, int(key)))
+        index = np.asarray(reader.group["sample_index"][:])
+        for row in range(reader.num_samples):
+            ids, mask = reader.sample_tokens(row)
+            result[(int(key), row)] = {"features": cf.bf16_view(reader.sample_features(row)), "input_ids": ids,
+                                       "loss_mask": mask, "sample_index": int(index[row])}
+    return result
+
+
+def reference_candidates(mask: np.ndarray) -> list[int]:
+    return [p for p in range(len(mask) - 1) if mask[p] == 1 and mask[p + 1] == 1]
+
+
+def collect(dataset: CacheBatches, num_workers: int) -> list[dict]:
+    return list(td.make_loader(dataset, num_workers, pin_memory=False))
+
+
+def same_batch(a: dict, b: dict) -> bool:
+    keys = ("input_ids", "loss_mask", "lengths", "anchors", "anchor_valid", "sample_keys", "labels", "block_input_ids")
+    return (a["position"] == b["position"] and a.keys() == b.keys()
+            and all(torch.equal(a[k], b[k]) for k in keys if k in a)
+            and torch.equal(a["features"].view(torch.int16), b["features"].view(torch.int16)))
+
+
+# ------------------------------------------------------------------------------------------------ index
+
+
+def test_index_lists_usable_samples_of_finished_shards(cache: Path, index: CacheIndex) -> None:
+    stored = stored_samples(cache)
+    usable = {key for key, s in stored.items() if reference_candidates(s["loss_mask"])}
+    assert index.done_shards == (0, 1, 2) and index.unfinished_shards == (3,)
+    listed = index.train + index.eval
+    assert {(s.shard, s.row) for s in listed} == usable and len(listed) == len(usable)
+    for sample in listed:
+        reference = stored[(sample.shard, sample.row)]
+        assert sample.length == len(reference["input_ids"])
+        assert sample.n_anchor_candidates == len(reference_candidates(reference["loss_mask"]))
+    assert index.dropped_no_anchor == len(stored) - len(usable) > 0
+    assert index.dropped_tokens == sum(len(s["input_ids"]) for k, s in stored.items() if k not in usable)
+    summary = index.summary()
+    assert summary["train_samples"] + summary["eval_samples"] == len(usable)
+
+
+def test_split_is_disjoint_deterministic_and_independent_of_sharding(cache: Path, index: CacheIndex,
+                                                                     tmp_path: Path) -> None:
+    train = {(s.shard, s.row) for s in index.train}
+    held_out = {(s.shard, s.row) for s in index.eval}
+    assert train and held_out and not train & held_out
+    again = CacheIndex.from_cache(cache, eval_fraction=0.15, seed=3)
+    assert again.train == index.train and again.eval == index.eval
+    assert CacheIndex.from_cache(cache, eval_fraction=0.15, seed=4).eval != index.eval
+    assert not CacheIndex.from_cache(cache, eval_fraction=0.0, seed=3).eval
+    # The same 120 dataset samples extracted as 2 shards, written in reverse order: the same split by sample.
+    other = build_cache(tmp_path / "two", [60, 60], order=[1, 0])
+    other_index = CacheIndex.from_cache(other, eval_fraction=0.15, seed=3)
+    stored, other_stored = stored_samples(cache), stored_samples(other)
+    eval_ids = sorted(stored[(s.shard, s.row)]["sample_index"] for s in index.eval)
+    other_eval_ids = sorted(other_stored[(s.shard, s.row)]["sample_index"] for s in other_index.eval)
+    assert eval_ids == other_eval_ids
+
+
+# ------------------------------------------------------------------------------------------------- plans
+
+
+def test_plan_covers_each_train_sample_once_within_the_token_budget(index: CacheIndex) -> None:
+    budget = 640
+    plan = plan_epoch(index, epoch=0, seed=1, batch_tokens=budget, world_size=1, pad_multiple=PAD)
+    assert Counter(s for batch in plan for s in batch) == Counter(index.train)
+    for batch in plan:
+        width = -(-max(s.length for s in batch) // PAD) * PAD
+        assert width * len(batch) <= budget or len(batch) == 1
+    assert plan == plan_epoch(index, epoch=0, seed=1, batch_tokens=budget, world_size=1, pad_multiple=PAD)
+    assert plan != plan_epoch(index, epoch=1, seed=1, batch_tokens=budget, world_size=1, pad_multiple=PAD)
+    # Sorted over the whole epoch, micro-batches would come longest last; their order is shuffled.
+    whole = plan_epoch(index, epoch=0, seed=1, batch_tokens=budget, pad_multiple=PAD, sort_window=10**6)
+    assert Counter(s for batch in whole for s in batch) == Counter(index.train)
+    widths = [max(s.length for s in batch) for batch in whole]
+    assert widths != sorted(widths)
+    # A budget below the longest sample: that sample forms a micro-batch alone.
+    small = plan_epoch(index, epoch=0, seed=1, batch_tokens=64, world_size=1, pad_multiple=PAD)
+    assert all(len(b) == 1 for b in small if b[0].length > 64)
+    # Several ranks: a multiple of world_size micro-batches; only the remainder is left out.
+    for world_size in (2, 3, 5):
+        truncated = plan_epoch(index, epoch=0, seed=1, batch_tokens=budget, world_size=world_size, pad_multiple=PAD)
+        assert len(truncated) % world_size == 0 and len(plan) - len(truncated) < world_size
+        assert truncated == plan[: len(truncated)]
+        covered = Counter(s for batch in truncated for s in batch)
+        assert max(covered.values()) == 1
+        assert sum(covered.values()) == len(index.train) - sum(len(b) for b in plan[len(truncated):])
+
+
+def test_two_ranks_see_the_global_steps_of_one_process(cache: Path, index: CacheIndex) -> None:
+    single = plan_epoch(index, epoch=2, seed=5, batch_tokens=700, world_size=1, pad_multiple=PAD)
+    global_plan = plan_epoch(index, epoch=2, seed=5, batch_tokens=700, world_size=2, pad_multiple=PAD)
+    ranks = [rank_plan(global_plan, rank, 2) for rank in range(2)]
+    interleaved = [ranks[i % 2][i // 2] for i in range(len(global_plan))]
+    assert interleaved == single[: len(interleaved)]
+    # The tensors too: micro-batch j of rank r is micro-batch 2 j + r of the single process.
+    options = {"epoch": 2, "seed": 5, "max_anchors": 8, "block_size": 4, "pad_multiple": PAD}
+    one = collect(CacheBatches(cache, single, **options), 0)
+    for rank in range(2):
+        for item in collect(CacheBatches(cache, ranks[rank], **options), 0):
+            reference = dict(one[2 * item["position"] + rank], position=item["position"])
+            assert same_batch(item, reference)
+
+
+# ------------------------------------------------------------------------------------------------ loader
+
+
+@pytest.fixture(scope="module")
+def epoch_plan(index: CacheIndex) -> list[list[Sample]]:
+    return plan_epoch(index, epoch=0, seed=1, batch_tokens=640, world_size=1, pad_multiple=PAD)
+
+
+def test_batches_hold_the_stored_rows_bit_exactly(cache: Path, epoch_plan: list[list[Sample]],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    stored = stored_samples(cache)
+    empty = td._empty_uint16
+    monkeypatch.setattr(td, "_empty_uint16", lambda shape, shared: empty(shape, shared).fill_(-1))  # dirty memory
+    dataset = CacheBatches(cache, epoch_plan, epoch=0, seed=1, max_anchors=16, block_size=4, pad_multiple=PAD,
+                           mask_token_id=7)
+    items = collect(dataset, 0)
+    assert [item["position"] for item in items] == list(range(len(epoch_plan)))
+    for item, batch in zip(items, epoch_plan):
+        count, width = len(batch), item["features"].shape[1]
+        assert width % PAD == 0 and width == -(-max(s.length for s in batch) // PAD) * PAD
+        assert item["features"].dtype == torch.bfloat16 and item["features"].shape == (count, width, DIM)
+        assert item["input_ids"].dtype == torch.long and item["loss_mask"].dtype == torch.bool
+        assert item["anchors"].shape == item["anchor_valid"].shape == (count, 16)
+        assert item["labels"].shape == item["block_input_ids"].shape == (count, 16, 4)
+        assert torch.equal(item["labels"], block_labels(item["input_ids"], item["loss_mask"], item["anchors"],
+                                                        item["anchor_valid"], item["lengths"], 4, 7)[0])
+        assert item["sample_keys"].tolist() == [[s.shard, s.row] for s in batch]
+        assert item["lengths"].tolist() == [s.length for s in batch]
+        for b, sample in enumerate(batch):
+            reference, length = stored[(sample.shard, sample.row)], sample.length
+            assert torch.equal(item["features"][b, :length].view(torch.int16), reference["features"].view(torch.int16))
+            assert not item["features"][b, length:].view(torch.int16).any()  # zero padding, exactly
+            assert item["input_ids"][b, :length].tolist() == reference["input_ids"].tolist()
+            assert item["loss_mask"][b, :length].tolist() == reference["loss_mask"].astype(bool).tolist()
+            assert not item["input_ids"][b, length:].any() and not item["loss_mask"][b, length:].any()
+
+
+def test_anchors_follow_the_rule_and_change_every_epoch(cache: Path, index: CacheIndex) -> None:
+    max_anchors = 6
+    per_epoch = []
+    for epoch in (0, 1):
+        plan = plan_epoch(index, epoch=epoch, seed=1, batch_tokens=640, world_size=1, pad_multiple=PAD)
+        anchors = {}
+        for item in collect(CacheBatches(cache, plan, epoch=epoch, seed=1, max_anchors=max_anchors, block_size=4,
+                                         pad_multiple=PAD), 0):
+            for b, (shard, row) in enumerate(item["sample_keys"].tolist()):
+                mask = item["loss_mask"][b].to(torch.uint8).numpy()[: item["lengths"][b]]
+                valid = item["anchor_valid"][b]
+                chosen = item["anchors"][b][valid].tolist()
+                assert valid.tolist() == [True] * len(chosen) + [False] * (max_anchors - len(chosen))
+                candidates = reference_candidates(mask)
+                assert len(chosen) == min(len(candidates), max_anchors)
+                assert chosen == sorted(set(chosen)) and set(chosen) <= set(candidates)
+                anchors[(shard, row)] = chosen
+        assert len(anchors) == len(index.train)
+        per_epoch.append(anchors)
+    many = [(s.shard, s.row) for s in index.train if s.n_anchor_candidates > max_anchors]
+    assert len(many) > 10
+    assert sum(per_epoch[0][key] != per_epoch[1][key] for key in many) > 0.8 * len(many)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_loader_order_and_content_do_not_depend_on_workers(cache: Path, epoch_plan: list[list[Sample]]) -> None:
+    def dataset() -> CacheBatches:
+        return CacheBatches(cache, epoch_plan, epoch=0, seed=1, max_anchors=8, block_size=4, pad_multiple=PAD,
+                            mask_token_id=7)
+
+    reference = collect(dataset(), 0)
+    assert [item["position"] for item in reference] == list(range(len(epoch_plan)))
+    for workers in (1, 2, 3):
+        items = collect(dataset(), workers)
+        assert len(items) == len(reference)
+        assert all(same_batch(a, b) for a, b in zip(items, reference))
+    # Workers that do not inherit the parent's memory: the dataset is pickled without open stores.
+    items = list(td.make_loader(dataset(), 2, pin_memory=False, context="forkserver"))
+    assert len(items) == len(reference) and all(same_batch(a, b) for a, b in zip(items, reference))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_resume_yields_exactly_the_tail_without_reading_skipped_features(
+        cache: Path, epoch_plan: list[list[Sample]], monkeypatch: pytest.MonkeyPatch) -> None:
+    options = {"epoch": 0, "seed": 1, "max_anchors": 8, "block_size": 4, "pad_multiple": PAD}
+    full = collect(CacheBatches(cache, epoch_plan, **options), 0)
+    start = 5
+    reads = []
+    original = td._read_into
+    monkeypatch.setattr(td, "_read_into", lambda array, a, b, out: (reads.append(b - a), original(array, a, b, out)))
+    resumed = CacheBatches(cache, epoch_plan, start, **options)
+    assert len(resumed) == len(epoch_plan) - start
+    tail = collect(resumed, 0)
+    assert len(tail) == len(full) - start and all(same_batch(a, b) for a, b in zip(tail, full[start:]))
+    assert sum(reads) == 3 * sum(s.length for batch in epoch_plan[start:] for s in batch)  # features, ids, mask
+    monkeypatch.undo()
+    for workers in (2, 3):
+        items = collect(CacheBatches(cache, epoch_plan, start, **options), workers)
+        assert all(same_batch(a, b) for a, b in zip(items, full[start:])) and len(items) == len(full) - start
+    assert collect(CacheBatches(cache, epoch_plan, len(epoch_plan), **options), 2) == []
+
+
+# -------------------------------------------------------------------------------------------------- eval
+
+
+def test_eval_sequences_hold_the_held_out_samples(cache: Path, index: CacheIndex) -> None:
+    stored = stored_samples(cache)
+    items = list(td.eval_sequences(index))
+    assert [item["sample_key"] for item in items] == [(s.shard, s.row) for s in index.eval]
+    for item in items:
+        reference = stored[item["sample_key"]]
+        assert item["features"].dtype == torch.bfloat16 and item["features"].shape == (item["length"], DIM)
+        assert torch.equal(item["features"].view(torch.int16), reference["features"].view(torch.int16))
+        assert item["input_ids"].tolist() == reference["input_ids"].tolist()
+        assert item["loss_mask"].tolist() == reference["loss_mask"].astype(bool).tolist()
+        assert item["sample_index"] == reference["sample_index"] and item["sample_id"] == f"conv-{item['sample_index']}"
+    assert [i["sample_key"] for i in td.eval_sequences(index, limit=3)] == [i["sample_key"] for i in items[:3]]
+
+
+# ------------------------------------------------------------------------------------------------ labels
+
+
+def reference_block_labels(input_ids, loss_mask, anchors, anchor_valid, lengths, block_size, mask_token_id):
+    batch, count = anchors.shape
+    labels = torch.full((batch, count, block_size), -100, dtype=torch.long)
+    inputs = torch.full((batch, count, block_size), mask_token_id, dtype=torch.long)
+    for b in range(batch):
+        for a in range(count):
+            if not anchor_valid[b, a]:
+                continue
+            p = int(anchors[b, a])
+            inputs[b, a, 0] = input_ids[b, p]
+            for k in range(1, block_size):
+                if p + k < lengths[b] and loss_mask[b, p + k]:
+                    labels[b, a, k] = input_ids[b, p + k]
+    return labels, inputs
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 3), seq=st.integers(1, 24), count=st.integers(1, 6),
+       block_size=st.integers(1, 6))
+def test_block_labels_match_a_plain_loop(data, batch: int, seq: int, count: int, block_size: int) -> None:
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    lengths = torch.from_numpy(rng.integers(1, seq + 1, batch))
+    input_ids = torch.from_numpy(rng.integers(0, 50, (batch, seq)))
+    loss_mask = torch.from_numpy(rng.random((batch, seq)) < 0.7)
+    anchors = torch.stack([torch.from_numpy(rng.integers(0, int(n), count)) for n in lengths])
+    anchor_valid = torch.from_numpy(rng.random((batch, count)) < 0.8)
+    anchors[~anchor_valid] = torch.from_numpy(rng.integers(0, seq, int((~anchor_valid).sum())))  # junk
+    got = block_labels(input_ids, loss_mask, anchors, anchor_valid, lengths, block_size, mask_token_id=99)
+    want = reference_block_labels(input_ids, loss_mask, anchors, anchor_valid, lengths, block_size, 99)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 12), min_size=1, max_size=6), data=st.data())
+def test_candidate_counts_match_the_rule(lengths: list[int], data) -> None:
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    mask = np.array(data.draw(st.lists(st.integers(0, 1), min_size=int(offsets[-1]), max_size=int(offsets[-1]))),
+                    dtype=np.uint8)
+    counts = td._candidate_counts(mask, offsets)
+    for i in range(len(lengths)):
+        piece = mask[offsets[i] : offsets[i + 1]]
+        assert counts[i] == len(reference_candidates(piece)) == len(td.anchor_candidates(piece))
+
+
+# ---------------------------------------------------------------------------------------------- damage
+
+
+def _copy(cache: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "cache"
+    shutil.copytree(cache, target)
+    return target
+
+
+def _assert_names_shard(error: pytest.ExceptionInfo, cache: Path, shard: int) -> None:
+    message = str(error.value)
+    assert f"shard {shard}" in message and cf.shard_name(shard) in message
+    assert f"dflash extract --out {cache} --only-shards {shard} --overwrite" in message
+
+
+def test_missing_shard_store_is_named(cache: Path, tmp_path: Path) -> None:
+    copy = _copy(cache, tmp_path)
+    shutil.rmtree(cf.shard_path(copy, 1))
+    with pytest.raises(CacheError) as error:
+        CacheIndex.from_cache(copy, 0.1, 0)
+    _assert_names_shard(error, copy.resolve(), 1)
+
+
+def test_manifest_count_mismatch_is_named(cache: Path, tmp_path: Path) -> None:
+    copy = _copy(cache, tmp_path)
+    manifest = json.loads((copy / cf.MANIFEST_FILE).read_text())
+    manifest["shards"]["2"]["samples"] += 1
+    cf.write_json_atomic(copy / cf.MANIFEST_FILE, manifest)
+    with pytest.raises(CacheError, match="samples") as error:
+        CacheIndex.from_cache(copy, 0.1, 0)
+    _assert_names_shard(error, copy.resolve(), 2)
+
+
+def test_unreadable_or_incomplete_store_is_named(cache: Path, tmp_path: Path) -> None:
+    copy = _copy(cache, tmp_path)
+    loss_mask_chunk = next(p for p in (cf.shard_path(copy, 0) / "loss_mask").rglob("*") if p.is_file()
+                           and p.name != "zarr.json")
+    raw = bytearray(loss_mask_chunk.read_bytes())
+    raw[3] ^= 0xFF  # the crc32c no longer matches
+    loss_mask_chunk.write_bytes(bytes(raw))
+    with pytest.raises(CacheError) as error:
+        CacheIndex.from_cache(copy, 0.1, 0)
+    _assert_names_shard(error, copy.resolve(), 0)
+    shutil.rmtree(cf.shard_path(copy, 0))
+    shutil.copytree(cf.shard_path(cache, 0), cf.shard_path(copy, 0))
+    meta = cf.shard_path(copy, 1) / "zarr.json"
+    group = json.loads(meta.read_text())
+    group["attributes"]["complete"] = False
+    meta.write_text(json.dumps(group))
+    with pytest.raises(CacheError, match="incomplete") as error:
+        CacheIndex.from_cache(copy, 0.1, 0)
+    _assert_names_shard(error, copy.resolve(), 1)
+
+
+def test_damaged_features_fail_in_the_loader_naming_the_shard(cache: Path, tmp_path: Path) -> None:
+    copy = _copy(cache, tmp_path)
+    index = CacheIndex.from_cache(copy, 0.1, 0)
+    plan = [[s] for s in index.train if s.shard == 2]
+    for path in (cf.shard_path(copy, 2) / "features").rglob("*"):
+        if path.is_file() and path.name != "zarr.json":
+            raw = bytearray(path.read_bytes())
+            raw[10] ^= 0xFF
+            path.write_bytes(bytes(raw))
+    for workers in (0, 2):
+        with pytest.raises(CacheError) as error:
+            collect(CacheBatches(copy, plan, epoch=0, seed=0, max_anchors=4, block_size=4, pad_multiple=PAD), workers)
+        _assert_names_shard(error, copy.resolve(), 2)
