@@ -64,8 +64,8 @@ def _final_losses(run: Path) -> dict[int, float]:
 
 def test_train_learns_beats_untrained_and_exports_the_reference_format(train_cache: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    result = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--epochs", "5", "--lr", "4e-3",
-                        "--eval-every", "0", "--checkpoint-every", "0", *TRAIN_ARGS)
+    result = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--epochs", "12", "--lr", "4e-3",
+                        "--eval-every", "0", "--checkpoint-every", "0", *TRAIN_ARGS, "--max-anchors", "12")
     assert result.returncode == 0, result.stderr[-3000:]
     export = run / "export"
     config = json.loads((export / "config.json").read_text())

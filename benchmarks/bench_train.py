@@ -1,0 +1,172 @@
+"""Training throughput and MFU of `dflash train`'s step, fed by the cache loader and from in-memory tensors.
+
+A cache of random features (real cache format, written by the stage-1 writer) for a Qwen3-8B-shaped target:
+5 captured layers x 4096, sequences of --length tokens whose first 64 are prompt; a 5-layer drafter of the target's
+shape (1.05B trainable), block 16, up to 512 anchors per sequence. The same `Trainer` object runs both variants:
+"loader" = micro-batches from `CacheBatches` through DataLoader workers (zarr reads in the workers), "memory" = the
+first micro-batch kept on the GPU and reused. Speed does not depend on weight or feature values.
+
+FLOPs are counted per micro-batch from the shapes (matmuls only, forward + backward):
+  fc over every context token (forward + weight gradient, no gradient into the frozen features): 4·S·D·H
+  per layer, x3 for forward + backward: q/o projections of the Q = A·Bk block tokens 2·2·H·Hq·Q; k/v projections
+  of context and block tokens 2·2·H·Hkv·(S+Q); SwiGLU MLP 3·2·H·I·Q; attention scores and values
+  2·2·Hq·(visible keys) per query, visible = anchor position + Bk (what the block mask lets through)
+  LM head on supervised block tokens (forward + input gradient; the head is frozen): 2·2·H·V per token
+MFU = counted FLOPs / step time / 989.5e12 (H200 dense bf16 peak); also reported against the measured 775e12.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared import cache_format as cf  # noqa: E402
+from stage1_extract.shard_writer import FeatureShardWriter  # noqa: E402
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, model_type="qwen3")
+TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+H200_PEAK = 989.5e12
+H200_MEASURED = 775e12
+
+
+def build_cache(root: Path, target: dict, samples: int, length: int, layer_ids: list[int], shards: int) -> None:
+    from safetensors.torch import save_file
+
+    hidden, feature_dim = target["hidden_size"], target["hidden_size"] * len(layer_ids)
+    (root / cf.TARGET_DIR).mkdir(parents=True)
+    (root / cf.TARGET_DIR / "config.json").write_text(json.dumps(target))
+    generator = torch.Generator().manual_seed(0)
+    embed = (torch.randn(target["vocab_size"], hidden, generator=generator) * 0.02).to(torch.bfloat16)
+    save_file({"embed_tokens.weight": embed, "lm_head.weight": embed.clone()},
+              str(root / cf.TARGET_DIR / cf.EMBEDDINGS_FILE))
+    identity = {"target_source": "random", "target_hash": "random", "layer_ids": layer_ids, "hidden_size": hidden,
+                "feature_dtype": "bf16", "tokenizer_hash": "none", "data_fingerprint": "random", "max_length": length,
+                "overlength": "truncate", "num_shards": shards}
+    manifest = cf.new_manifest(identity, {})
+    rng = np.random.default_rng(0)
+    rows = torch.randn(length, feature_dim, generator=generator).to(torch.bfloat16)
+    per_shard = samples // shards
+    for shard in range(shards):
+        mask = np.ones(length, np.uint8)
+        mask[:64] = 0
+        token_arrays = {
+            "input_ids": rng.integers(0, target["vocab_size"], per_shard * length).astype(np.int32),
+            "loss_mask": np.tile(mask, per_shard), "offsets": np.arange(per_shard + 1, dtype=np.int64) * length,
+            "sample_index": np.arange(per_shard) + shard * per_shard,
+            "sample_ids": [str(i) for i in range(per_shard)],
+        }
+        writer = FeatureShardWriter(cf.shard_path(root, shard), feature_dim=feature_dim, token_arrays=token_arrays,
+                                    attributes={})
+        for _ in range(per_shard):
+            writer.submit(rows)
+        writer.close({})
+        manifest["shards"][str(shard)] = {"status": "done", "samples": per_shard, "tokens": per_shard * length,
+                                          "loss_tokens": int(token_arrays["loss_mask"].sum()), "skipped": {}}
+    cf.write_json_atomic(root / cf.MANIFEST_FILE, manifest)
+
+
+def step_flops(config, inputs: dict) -> float:  # type: ignore[no-untyped-def]
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    hq, hkv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    layout = inputs["layout"]
+    valid = layout.anchor_valid
+    q_tokens = float(valid.sum()) * layout.block_size
+    context = float(layout.context_lengths.sum())
+    visible = float(((layout.anchors + layout.block_size) * valid).sum()) * layout.block_size
+    feature_dim = inputs["features"].shape[-1]
+    supervised = float((inputs["labels"] != -100).sum())
+    vocab = config.vocab_size
+    per_layer = 2 * 2 * h * hq * q_tokens + 2 * 2 * h * hkv * (context + q_tokens) + 3 * 2 * h * inter * q_tokens
+    per_layer += 2 * 2 * hq * visible
+    return 4 * context * feature_dim * h + 3 * layers * per_layer + 2 * 2 * h * vocab * supervised
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model, to check the script on CPU")
+    parser.add_argument("--samples", type=int, default=48)
+    parser.add_argument("--length", type=int, default=3072)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=6)
+    parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    from stage2_train.loss import weight_sum
+    from stage2_train.trainer import TrainOptions, Trainer
+
+    target = TINY if args.tiny else QWEN3_8B
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="dflash-train-bench-"))
+    shutil.rmtree(work, ignore_errors=True)
+    started = time.time()
+    build_cache(work / "cache", target, args.samples, args.length, [1, 9, 17, 25, 33], shards=4)
+    print(f"cache built in {time.time() - started:.1f} s", flush=True)
+    options = TrainOptions(cache=work / "cache", out=work / "run", max_steps=10**6, mask_token_id=151669 % target[
+        "vocab_size"], batch_tokens=args.batch * args.length, eval_fraction=0.0, eval_every=0, checkpoint_every=0,
+        num_workers=args.workers, mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    trainer = Trainer(options)
+    device = trainer.device
+    params = sum(p.numel() for p in trainer.model.parameters())
+
+    def run_step(micro: dict) -> float:  # noqa: ANN001
+        total = trainer.accelerator.reduce(weight_sum(micro["labels"], trainer.weights).detach().clone(), "sum")
+        loss, _ = trainer._forward_loss(micro, total)
+        trainer.accelerator.backward(loss)
+        trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), 1.0)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    loader = iter(trainer._loader(0, 0))
+    first = trainer._micro_batch_inputs(next(loader))
+    for _ in range(3):  # warm-up: compilation of the flex kernels, allocator growth
+        run_step(first)
+    sync()
+    results = {}
+    for name in ("memory", "loader"):
+        flops = 0.0
+        sync()
+        begin = time.perf_counter()
+        for _ in range(args.steps):
+            micro = first if name == "memory" else trainer._micro_batch_inputs(next(loader))
+            flops += step_flops(trainer.config, micro)
+            run_step(micro)
+        sync()
+        seconds = time.perf_counter() - begin
+        block_tokens = args.steps * float(first["layout"].anchor_valid.sum()) * 16
+        results[name] = {"step_s": seconds / args.steps, "tflops": flops / seconds / 1e12,
+                         "mfu_vs_peak": flops / seconds / H200_PEAK, "mfu_vs_measured": flops / seconds / H200_MEASURED,
+                         "block_tokens_per_s": block_tokens / seconds,
+                         "samples_per_s": args.steps * args.batch / seconds}
+        print(name, json.dumps(results[name]), flush=True)
+    summary = {"benchmark": "train", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "trainable_params": params,
+               "length": args.length, "batch": args.batch, "anchors": 512, "block_size": 16,
+               "loader_workers": args.workers, "results": results,
+               "loader_overhead": results["loader"]["step_s"] / results["memory"]["step_s"] - 1,
+               "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None}
+    print(json.dumps(summary, indent=2))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"train_{'tiny' if args.tiny else 'qwen3-8b'}_{device.type}.json").write_text(
+        json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
