@@ -10,7 +10,7 @@ MAX_LENGTH ?= 512
 WORKERS ?= 2
 TRAIN_FLAGS ?= --epochs 3 --draft-layers 2 --max-anchors 32 --batch-tokens 2048 --eval-every 25 --eval-sequences 8
 
-.PHONY: install test test-all all bench bench-gpu clean
+.PHONY: install test test-all all bench bench-gpu reliability clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -25,7 +25,13 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow or ci" tests
+	$(BIN)/python -m pytest -q -m "not slow and not reliability" tests
+
+# Randomized kill campaign (10 random kills per command) and its table; ~15 minutes on 2 cores.
+reliability: $(STAMP)
+	rm -f benchmarks/results/reliability.json
+	-$(BIN)/python -m pytest -q -m reliability tests/test_reliability.py
+	$(BIN)/python benchmarks/reliability_table.py benchmarks/results/reliability.json
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests

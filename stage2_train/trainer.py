@@ -261,6 +261,7 @@ class Trainer:
 
     def train(self) -> dict[str, Any]:
         options = self.options
+        self._drop_partial_metrics_line()
         if options.resume:
             latest = self._latest_checkpoint()
             if latest is None:
@@ -363,6 +364,14 @@ class Trainer:
             write_plots(self.out)
         self.accelerator.wait_for_everyone()
         return result
+
+    def _drop_partial_metrics_line(self) -> None:
+        """A run killed mid-write can leave half a line in metrics.jsonl: cut it before appending again."""
+        path = self.out / METRICS_FILE
+        if self.accelerator.is_main_process and path.is_file():
+            text = path.read_bytes()
+            if text and not text.endswith(b"\n"):
+                path.write_bytes(text[: text.rfind(b"\n") + 1])
 
     def _log_metrics(self, record: dict[str, Any]) -> None:
         if not self.accelerator.is_main_process:

@@ -1,0 +1,168 @@
+"""Fault injection: damaged caches are detected and refused; randomly killed runs resume to the same result.
+
+The fast cases run in `make test`. The randomized kill campaign (marked `reliability`) runs with
+`make reliability`, which prints the table of faults injected, survived and data lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shared import cache_format as cf
+from tests.cache_compare import assert_same_cache
+from tests.conftest import EXTRACT_ARGS, REPO, run_dflash
+
+REPORT = REPO / "benchmarks" / "results" / "reliability.json"
+
+
+def _copy(cache: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "cache"
+    shutil.copytree(cache, out)
+    return out
+
+
+def _feature_file(cache: Path, shard: int) -> Path:
+    return cf.shard_path(cache, shard) / "features" / "c" / "0" / "0"
+
+
+def _assert_refused_everywhere(cache: Path, tmp_path: Path, shard: int) -> None:
+    verify = run_dflash("inspect", "--cache", str(cache), "--verify")
+    assert verify.returncode == 1 and f"shard {shard}" in verify.stdout, verify.stdout + verify.stderr
+    assert f"--only-shards {shard} --overwrite" in verify.stdout
+    train = run_dflash("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--max-steps", "1")
+    assert train.returncode == 2, train.stderr[-2000:]
+    assert f"shard {shard}" in train.stderr and f"--only-shards {shard} --overwrite" in train.stderr
+    assert "Traceback" not in train.stderr
+
+
+def test_truncated_feature_file_is_detected_and_refused(baseline_cache: Path, tmp_path: Path) -> None:
+    cache = _copy(baseline_cache, tmp_path)
+    path = _feature_file(cache, 2)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    _assert_refused_everywhere(cache, tmp_path, 2)
+
+
+def test_hand_edited_manifest_is_detected_and_refused(baseline_cache: Path, tmp_path: Path) -> None:
+    cache = _copy(baseline_cache, tmp_path)
+
+    def edit(manifest: dict) -> None:
+        manifest["shards"]["1"]["tokens"] += 7
+
+    cf.update_manifest(cache, edit)
+    _assert_refused_everywhere(cache, tmp_path, 1)
+
+
+def test_repair_command_from_the_message_fixes_the_cache(baseline_cache: Path, chat_jsonl: Path,
+                                                         tmp_path: Path) -> None:
+    cache = _copy(baseline_cache, tmp_path)
+    data = bytearray(_feature_file(cache, 0).read_bytes())
+    data[100] ^= 1
+    _feature_file(cache, 0).write_bytes(bytes(data))
+    assert run_dflash("inspect", "--cache", str(cache), "--verify").returncode == 1
+    fixed = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(cache), "--only-shards", "0", "--overwrite",
+                       *EXTRACT_ARGS)
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert run_dflash("inspect", "--cache", str(cache), "--verify").returncode == 0
+    assert_same_cache(baseline_cache, cache)
+
+
+def test_cache_from_a_future_format_version_is_refused(baseline_cache: Path, chat_jsonl: Path,
+                                                       tmp_path: Path) -> None:
+    cache = _copy(baseline_cache, tmp_path)
+    manifest = json.loads((cache / cf.MANIFEST_FILE).read_text())
+    manifest["format_version"] = cf.FORMAT_VERSION + 1
+    (cache / cf.MANIFEST_FILE).write_text(json.dumps(manifest))
+    for args in (["inspect", "--cache", str(cache)], ["train", "--cache", str(cache), "--out", str(tmp_path / "r")],
+                 ["extract", "--data", str(chat_jsonl), "--out", str(cache), *EXTRACT_ARGS]):
+        result = run_dflash(*args)
+        assert result.returncode == 2 and "upgrade dflash" in result.stderr, (args, result.stderr[-1500:])
+
+
+# ------------------------------------------------------------------------------ randomized kill campaign
+
+
+def _record(kind: str, survived: bool, lost: int) -> None:
+    report = json.loads(REPORT.read_text()) if REPORT.is_file() else {}
+    row = report.setdefault(kind, {"injected": 0, "survived": 0, "data_lost": 0})
+    row["injected"] += 1
+    row["survived"] += int(survived)
+    row["data_lost"] += lost
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    REPORT.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _popen(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "shared.cli", *args], cwd=REPO, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("attempt", range(10))
+def test_extract_survives_a_random_kill(baseline_cache: Path, chat_jsonl: Path, tmp_path: Path, attempt: int) -> None:
+    rng = random.Random(attempt)
+    out = tmp_path / "cache"
+    args = ("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS)
+    process = _popen(*args)
+    victim, how = rng.choice(["worker", "supervisor"]), rng.choice([signal.SIGKILL, signal.SIGTERM])
+    time.sleep(rng.uniform(1.0, 12.0))
+    if victim == "worker" and (out / "status" / "worker-0.json").is_file():
+        os.kill(json.loads((out / "status" / "worker-0.json").read_text())["pid"], how)
+    elif process.poll() is None:
+        process.send_signal(how)
+    process.wait(timeout=120)
+    rerun = run_dflash(*args)
+    try:
+        assert rerun.returncode == 0, rerun.stderr[-2000:]
+        assert_same_cache(baseline_cache, out)
+        _record(f"extract: {how.name} {victim}", True, 0)
+    except AssertionError:
+        _record(f"extract: {how.name} {victim}", False, 1)
+        raise
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("attempt", range(10))
+def test_train_survives_a_random_kill(baseline_cache: Path, tmp_path: Path, attempt: int) -> None:
+    rng = random.Random(100 + attempt)
+    args = ("--max-steps", "6", "--eval-every", "0", "--checkpoint-every", "2", "--draft-layers", "1",
+            "--max-anchors", "16", "--batch-tokens", "384", "--num-workers", "1", "--eval-fraction", "0.15",
+            "--eval-sequences", "2", "--mixed-precision", "no")
+    reference = tmp_path / "reference"
+    assert run_dflash("train", "--cache", str(baseline_cache), "--out", str(reference), *args).returncode == 0
+    run = tmp_path / "run"
+    process = _popen("train", "--cache", str(baseline_cache), "--out", str(run), *args)
+    how = rng.choice([signal.SIGKILL, signal.SIGTERM])
+    time.sleep(rng.uniform(3.0, 25.0))
+    if process.poll() is None:
+        process.send_signal(how)
+    process.wait(timeout=120)
+    resumed = run_dflash("train", "--cache", str(baseline_cache), "--out", str(run), "--resume", *args)
+
+    def losses(folder: Path) -> dict[int, float]:
+        found = {}
+        for line in (folder / "metrics.jsonl").read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by the kill
+            if "loss" in record:
+                found[record["step"]] = record["loss"]
+        return found
+
+    try:
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert losses(run) == losses(reference)
+        _record(f"train: {how.name}", True, 0)
+    except AssertionError:
+        _record(f"train: {how.name}", False, 1)
+        raise
