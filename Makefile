@@ -8,6 +8,7 @@ WORK ?= work
 SAMPLES ?= 100
 MAX_LENGTH ?= 512
 WORKERS ?= 2
+EVAL_SAMPLES ?= 4
 TRAIN_FLAGS ?= --epochs 3 --draft-layers 2 --max-anchors 32 --batch-tokens 2048 --eval-every 25 --eval-sequences 8
 
 .PHONY: install test test-all all bench bench-gpu reliability clean
@@ -40,6 +41,8 @@ all: $(STAMP)
 	$(BIN)/dflash extract --out $(WORK)/cache --max-samples $(SAMPLES) --max-length $(MAX_LENGTH) --workers $(WORKERS)
 	$(BIN)/dflash inspect --cache $(WORK)/cache --verify
 	$(BIN)/dflash train --cache $(WORK)/cache --out $(WORK)/run $(TRAIN_FLAGS)
+	$(BIN)/dflash eval --draft $(WORK)/run/export --data mtbench,humaneval --max-samples $(EVAL_SAMPLES) \
+		--max-new-tokens 64 --out $(WORK)/eval
 
 # CPU figures (SmolLM2 over ShareGPT); results in benchmarks/results/*.json and the README.
 bench: $(STAMP)

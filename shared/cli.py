@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("shared.cache_commands", "inspect_command"),
     "train": ("stage2_train.cli", "train_command"),
     "export": ("stage2_train.cli", "export_command"),
+    "eval": ("stage2_train.cli", "eval_command"),
 }
 
 
@@ -43,6 +44,7 @@ def dflash() -> None:
     1. dflash extract   run the target over chat data, cache its hidden states (Zarr v3)
     2. dflash train     train the drafter from that cache (HF Accelerate), measure acceptance, export
     dflash export       export a checkpoint as a Hugging Face folder
+    dflash eval         live speculative decoding with the target: tau, speedup, lossless check
     dflash status / inspect   look at a cache and the run filling it
     """
 

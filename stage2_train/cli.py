@@ -81,3 +81,41 @@ def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> 
 
     path = export_checkpoint(run_dir, checkpoint, out)
     click.echo(f"exported {path}")
+
+
+@click.command("eval")
+@click.option("--draft", "draft_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="Exported drafter folder (RUN/export).")
+@click.option("--data", default="mtbench,humaneval", show_default=True,
+              help="humaneval, mtbench, a JSONL/JSON file of conversations, or a comma-separated list of these.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("dflash_eval"), show_default=True,
+              help="Where eval.json, eval.md and eval.png go.")
+@click.option("--max-samples", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="0 = greedy (checked against plain greedy decoding on every prompt); > 0 = rejection sampling.")
+@click.option("--model", default=None, help="Target model (default: the one recorded with the drafter).")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads (0 = torch default).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_new_tokens: int, temperature: float,
+                 model: str | None, threads: int, seed: int) -> None:
+    """Speculative decoding with the target and an exported drafter: acceptance length tau, acceptance by block
+    position, tokens/s and speedup against plain autoregressive decoding and prompt-lookup decoding, measured in
+    the same run. Greedy mode must reproduce the target's own greedy output."""
+    import torch
+
+    from shared.logs import setup_logging
+    from stage2_train.evaluate import run_eval
+
+    if threads:
+        torch.set_num_threads(threads)
+    setup_logging(Path(out) / "eval.log")
+    result = run_eval(draft_dir, data, out, max_samples, max_new_tokens, temperature=temperature, model=model,
+                      seed=seed)
+    click.echo((Path(out) / "eval.md").read_text() if (Path(out) / "eval.md").is_file() else json_dump(result))
+
+
+def json_dump(value: object) -> str:
+    import json
+
+    return json.dumps(value, indent=2, default=str)

@@ -1,0 +1,507 @@
+"""End-to-end evaluation of an exported drafter: real speculative decoding against the real target.
+
+For every prompt, in the same run and on the same target: DFlash speculative decoding (`speculative_generate`),
+plain autoregressive decoding (`greedy_generate`, the baseline and the losslessness reference) and transformers'
+prompt lookup decoding (a training-free baseline). At temperature 0 the speculative output must equal plain greedy
+decoding token for token; a difference raises `LosslessnessError` naming the prompt, unless at the first differing
+position the two tokens' logits are a floating-point tie (bf16 logits near 25 are spaced 0.125 apart, so exact ties
+are common, and a block of B tokens runs different kernels than one token: either token is a correct greedy
+choice). Such ties are counted in the report (`tie_divergences`) and only the common prefix is compared.
+
+Reported per dataset: tau (mean accepted + 1 over all speculative steps), P(accepted >= k) by block position,
+tokens/s of the three methods and the speedups over plain decoding. Written to OUT/eval.json, eval.md, eval.png.
+
+Datasets: ``humaneval`` (164 HumanEval prompts, the prompt as the user message), ``mtbench`` (first turn of the 80
+MT-Bench questions), or a JSONL/JSON file whose records hold ``messages`` / ``conversations`` (role/content or
+ShareGPT from/value; the conversation up to the first assistant turn is the prompt) or a ``prompt`` string.
+Several may be given, comma-separated.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.errors import UserError
+from shared.logs import get_logger
+from stage2_train.export import TARGET_INFO_FILE, load_draft
+from stage2_train.speculative import (
+    SpecResult,
+    acceptance_by_position,
+    first_difference,
+    greedy_generate,
+    prompt_lookup_generate,
+    speculative_generate,
+)
+
+log = get_logger(__name__)
+
+BUILTIN_DATASETS = ("humaneval", "mtbench")
+ROLE_MAP = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+            "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant"}
+TIE_ULPS = 4  # a divergence whose two logits differ by at most this many ulps of the target dtype is a tie
+TIE_RELATIVE = 1e-4  # ... or by this fraction of the top logit (float32 targets: kernel-shape noise exceeds 4 ulps)
+
+
+class LosslessnessError(RuntimeError):
+    """Greedy speculative decoding produced a different token than plain greedy decoding (a bug, not a tie)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    messages: list[dict[str, str]]
+
+
+# ---------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------
+
+
+def _humaneval() -> Iterator[Prompt]:
+    from shared.embedded import humaneval_jsonl_gz
+
+    with gzip.open(humaneval_jsonl_gz(), "rt", encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                record = json.loads(line)
+                yield Prompt(str(record["task_id"]), [{"role": "user", "content": record["prompt"]}])
+
+
+def _mtbench() -> Iterator[Prompt]:
+    from shared.embedded import mtbench_questions
+
+    with open(mtbench_questions(), encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                record = json.loads(line)
+                yield Prompt(f"mtbench/{record['question_id']}",
+                             [{"role": "user", "content": record["turns"][0]}])
+
+
+def _prompt_messages(record: Any) -> list[dict[str, str]] | None:
+    """The conversation up to (not including) the first assistant turn; None if there is no user turn."""
+    if not isinstance(record, Mapping):
+        return None
+    turns = None
+    for key in ("messages", "conversations", "conversation"):
+        if isinstance(record.get(key), list):
+            turns = record[key]
+            break
+    if turns is None:
+        prompt = record.get("prompt")
+        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) and prompt.strip() else None
+    messages: list[dict[str, str]] = []
+    for turn in turns:
+        if not isinstance(turn, Mapping):
+            return None
+        role = ROLE_MAP.get(str(turn.get("role", turn.get("from", ""))).lower())
+        content = turn.get("content", turn.get("value"))
+        if role is None or not isinstance(content, str):
+            return None
+        if role == "assistant":
+            break
+        messages.append({"role": role, "content": content})
+    return messages if any(m["role"] == "user" for m in messages) else None
+
+
+def _file_prompts(path: Path) -> Iterator[Prompt]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:  # type: ignore[operator]
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"--data {path}: cannot read ({error})") from error
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise UserError(f"--data {path}: not valid JSON ({error})") from error
+        numbered = list(enumerate(records, 1))
+    else:
+        numbered = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    numbered.append((number, json.loads(line)))
+                except json.JSONDecodeError as error:
+                    raise UserError(f"--data {path}:{number}: not valid JSON ({error.msg})") from error
+    for number, record in numbered:
+        messages = _prompt_messages(record)
+        if messages is not None:
+            rid = record.get("id") if isinstance(record, Mapping) else None
+            yield Prompt(str(rid) if rid is not None else f"{path.name}:{number}", messages)
+
+
+def dataset_names(data: str) -> list[str]:
+    names = [name.strip() for name in data.split(",") if name.strip()]
+    if not names:
+        raise UserError("--data is empty: use humaneval, mtbench or a path to a JSONL file")
+    return names
+
+
+def load_prompts(name: str, max_samples: int) -> list[Prompt]:
+    """The first ``max_samples`` prompts of a built-in dataset or a JSONL/JSON file."""
+    if name.lower() in BUILTIN_DATASETS:
+        source = _humaneval() if name.lower() == "humaneval" else _mtbench()
+    else:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise UserError(f"unknown dataset {name!r}: use {' or '.join(BUILTIN_DATASETS)}, or a path to a JSONL "
+                            "file with 'messages'/'conversations' or 'prompt' records")
+        source = _file_prompts(path)
+    prompts: list[Prompt] = []
+    for prompt in source:
+        if len(prompts) >= max_samples:
+            break
+        prompts.append(prompt)
+    if not prompts:
+        raise UserError(f"--data {name}: no usable prompt (records need a user turn before any assistant turn)")
+    return prompts
+
+
+def tokenize_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if isinstance(ids, Mapping):  # some tokenizers return a BatchEncoding regardless
+        ids = ids["input_ids"]
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(t) for t in ids]
+
+
+# ---------------------------------------------------------------------------
+# Drafter / target compatibility
+# ---------------------------------------------------------------------------
+
+
+def read_target_info(draft_dir: Path) -> dict[str, Any]:
+    path = draft_dir / TARGET_INFO_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path} is not valid JSON ({error}); re-export the drafter") from error
+
+
+def check_compatibility(draft: Any, target: Any, info: Mapping[str, Any], draft_dir: Path | str = "the drafter",
+                        ) -> None:
+    """Refuse a drafter whose sizes do not fit the target (hidden size, vocabulary, captured layers, mask token)."""
+    cfg = draft.config
+    tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    target_hidden = int(tcfg.hidden_size)
+    target_layers = int(tcfg.num_hidden_layers)
+    target_vocab = int(target.get_input_embeddings().weight.shape[0])
+    head_vocab = int(target.get_output_embeddings().weight.shape[0])
+    problems = []
+    if int(cfg.hidden_size) != target_hidden:
+        problems.append(f"hidden size {cfg.hidden_size} != the target's {target_hidden}")
+    if info.get("hidden_size") is not None and int(info["hidden_size"]) != target_hidden:
+        problems.append(f"it was trained on target features of hidden size {info['hidden_size']}, the target has "
+                        f"{target_hidden}")
+    if int(cfg.vocab_size) != target_vocab or head_vocab != target_vocab:
+        problems.append(f"vocabulary size {cfg.vocab_size} != the target's {target_vocab} (embedding) / "
+                        f"{head_vocab} (LM head)")
+    layer_ids = list(cfg.target_layer_ids)
+    bad = [i for i in layer_ids if not 0 <= int(i) < target_layers]
+    if bad:
+        problems.append(f"target_layer_ids {layer_ids} include layers {bad} that the target (layers "
+                        f"0..{target_layers - 1}) does not have")
+    if info.get("layer_ids") is not None and list(info["layer_ids"]) != layer_ids:
+        problems.append(f"config target_layer_ids {layer_ids} != the recorded layer_ids {info['layer_ids']}")
+    if int(getattr(cfg, "num_target_layers", target_layers)) != target_layers:
+        problems.append(f"it was trained for a target of {cfg.num_target_layers} layers, this one has {target_layers}")
+    if cfg.mask_token_id is None or not 0 <= int(cfg.mask_token_id) < target_vocab:
+        problems.append(f"mask_token_id {cfg.mask_token_id} is not a token of the target")
+    if problems:
+        raise UserError(f"drafter {draft_dir} does not match target: " + "; ".join(problems)
+                        + " (pass --model with the target it was trained for)")
+
+
+def _resolve_target_source(info: Mapping[str, Any], model: str | None, draft_dir: Path) -> Any:
+    from shared.target_loading import resolve_target
+
+    if model:
+        source = info.get("target_source")
+        if source and not str(source).startswith("embedded:") and source != model:
+            log.warning("drafter %s was trained for %s; evaluating against %s", draft_dir, source, model)
+        return resolve_target(model)
+    source = info.get("target_source")
+    if source is None:
+        raise UserError(f"{draft_dir} does not record its target ({TARGET_INFO_FILE} missing or without "
+                        "target_source): pass --model")
+    if source == "" or str(source).startswith("embedded:"):
+        return resolve_target(None)
+    return resolve_target(str(source))
+
+
+# ---------------------------------------------------------------------------
+# Losslessness check
+# ---------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def divergence_gap(target: Any, prompt_ids: list[int], prefix: list[int], token_a: int, token_b: int,
+                   ) -> tuple[float, float]:
+    """(|logit_a - logit_b|, tolerance) at the position after prompt + prefix, from a cache-free target forward."""
+    device = next(target.parameters()).device
+    ids = torch.tensor([prompt_ids + prefix], dtype=torch.long, device=device)
+    logits = target(input_ids=ids).logits[0, -1]
+    dtype = logits.dtype
+    logits = logits.float()
+    top = float(logits.max())
+    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(abs(top), 1e-30)))  # spacing of dtype at top
+    tolerance = max(TIE_ULPS * ulp, TIE_RELATIVE * max(abs(top), 1.0))
+    gap = abs(float(logits[token_a]) - float(logits[token_b]))
+    # both must also be (near-)maximal: a tie between two non-argmax tokens is no excuse
+    near_top = top - max(float(logits[token_a]), float(logits[token_b])) <= tolerance
+    return (gap if near_top else math.inf), tolerance
+
+
+def compare_greedy(target: Any, prompt: Prompt, prompt_ids: list[int], reference: list[int], speculative: list[int],
+                   ) -> dict[str, Any]:
+    """Compare speculative tokens with plain greedy ones; raise LosslessnessError unless any difference is a tie."""
+    index = first_difference(reference, speculative)
+    if index is None:
+        return {"identical": True, "compared_tokens": len(reference)}
+    if index >= min(len(reference), len(speculative)):
+        raise LosslessnessError(
+            f"prompt {prompt.id}: greedy speculative decoding emitted {len(speculative)} tokens, plain greedy "
+            f"{len(reference)}, equal up to {index}")
+    a, b = reference[index], speculative[index]
+    gap, tolerance = divergence_gap(target, prompt_ids, reference[:index], a, b)
+    if gap > tolerance:
+        raise LosslessnessError(
+            f"prompt {prompt.id}: greedy speculative decoding differs from plain greedy decoding at new token {index}"
+            f" (plain {a}, speculative {b}; logit gap {gap:.4g} > tie tolerance {tolerance:.3g}): this is a bug")
+    log.info("prompt %s: numerical tie at token %d (%d vs %d, gap %.3g): comparing the prefix only",
+             prompt.id, index, a, b, gap)
+    return {"identical": False, "tie_at": index, "tie_gap": gap, "compared_tokens": index}
+
+
+# ---------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------
+
+
+def _rate(results: Sequence[SpecResult]) -> float:
+    seconds = sum(r.seconds for r in results)
+    return sum(len(r.tokens) for r in results) / seconds if seconds > 0 else math.nan
+
+
+def _summarise(name: str, samples: list[dict[str, Any]], runs: dict[str, list[SpecResult]], block_size: int,
+               greedy: bool) -> dict[str, Any]:
+    accepted = [a for r in runs["dflash"] for a in r.accepted]
+    rates = {method: _rate(results) for method, results in runs.items()}
+    plain = rates["plain"]
+    taus = [r.tau for r in runs["dflash"] if r.accepted]
+    pld_forwards = sum(r.target_forwards or 0 for r in runs["prompt_lookup"])
+    pld_tokens = sum(len(r.tokens) for r in runs["prompt_lookup"])
+    return {
+        "dataset": name,
+        "prompts": len(samples),
+        "steps": len(accepted),
+        "tau": (sum(a + 1 for a in accepted) / len(accepted)) if accepted else math.nan,
+        "tau_mean_over_prompts": sum(taus) / len(taus) if taus else math.nan,
+        "acceptance_by_position": acceptance_by_position(accepted, block_size),
+        "new_tokens": {method: sum(len(r.tokens) for r in results) for method, results in runs.items()},
+        "seconds": {method: sum(r.seconds for r in results) for method, results in runs.items()},
+        "tokens_per_second": rates,
+        "speedup": {method: rates[method] / plain if plain and plain > 0 else math.nan
+                    for method in ("dflash", "prompt_lookup")},
+        "prompt_lookup_tokens_per_target_forward": pld_tokens / pld_forwards if pld_forwards else math.nan,
+        "greedy_identical": sum(1 for s in samples if s.get("identical")) if greedy else None,
+        "tie_divergences": sum(1 for s in samples if "tie_at" in s) if greedy else None,
+        "prompt_lookup_identical": sum(1 for s in samples if s.get("prompt_lookup_identical")),
+        "samples": samples,
+    }
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def write_markdown(report: dict[str, Any], path: Path) -> None:
+    lines = [
+        "# DFlash evaluation",
+        "",
+        f"- drafter: `{report['draft_dir']}` (block size {report['block_size']}, "
+        f"{report['draft_layers']} layers, target layers {report['target_layer_ids']})",
+        f"- target: {report['target']} on {report['device']} ({report['target_dtype']}, "
+        f"{report['torch_threads']} CPU threads)",
+        f"- temperature {report['temperature']}, max new tokens {report['max_new_tokens']}",
+        "",
+        "| dataset | prompts | steps | tau | dflash tok/s | plain tok/s | prompt lookup tok/s | dflash speedup "
+        "| prompt lookup speedup | greedy identical | ties |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, d in report["datasets"].items():
+        tps = d["tokens_per_second"]
+        lines.append(
+            f"| {name} | {d['prompts']} | {d['steps']} | {_fmt(d['tau'], 3)} | {_fmt(tps['dflash'])} | "
+            f"{_fmt(tps['plain'])} | {_fmt(tps['prompt_lookup'])} | {_fmt(d['speedup']['dflash'])}x | "
+            f"{_fmt(d['speedup']['prompt_lookup'])}x | {_fmt(d['greedy_identical'])} | {_fmt(d['tie_divergences'])} |")
+    block = report["block_size"]
+    lines += ["", "Acceptance by block position, P(accepted >= k):", "",
+              "| dataset | " + " | ".join(f"k={k}" for k in range(1, block)) + " |",
+              "|---|" + "---:|" * (block - 1)]
+    for name, d in report["datasets"].items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(p) for p in d["acceptance_by_position"]) + " |")
+    lines += ["", "tau = mean over speculative steps of (accepted drafts + 1). Plain = autoregressive decoding of the "
+              "same target with a KV cache; prompt lookup = transformers `prompt_lookup_num_tokens=10`, greedy.", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["datasets"])
+    positions = list(range(1, report["block_size"]))
+    width = 0.8 / max(len(names), 1)
+    figure, axis = plt.subplots(figsize=(8, 3.6))
+    for i, name in enumerate(names):
+        values = [0.0 if math.isnan(v) else v for v in report["datasets"][name]["acceptance_by_position"]]
+        axis.bar([p - 0.4 + width * (i + 0.5) for p in positions], values, width=width,
+                 label=f"{name} (tau {_fmt(report['datasets'][name]['tau'], 2)})")
+    axis.set(title="DFlash acceptance by block position", xlabel="block position k", ylabel="P(accepted >= k)",
+             ylim=(0, 1), xticks=positions)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------
+
+
+def run_eval(
+    draft_dir: Path,
+    data: str,
+    out_dir: Path,
+    max_samples: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    model: str | None = None,
+    device: str = "auto",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Evaluate an exported drafter against its target on one or more datasets; write eval.json/.md/.png."""
+    from shared.target_loading import load_target_model, load_tokenizer, stop_token_ids
+
+    draft_dir = Path(draft_dir)
+    out_dir = Path(out_dir)
+    if max_samples < 1 or max_new_tokens < 1:
+        raise UserError("--max-samples and --max-new-tokens must be at least 1")
+    if temperature < 0:
+        raise UserError("--temperature must be >= 0")
+    if not (draft_dir / "config.json").is_file():
+        raise UserError(f"no exported drafter in {draft_dir} (config.json not found): run `dflash export` or "
+                        "pass the export folder")
+    names = dataset_names(data)
+    prompts_by_dataset = {name: load_prompts(name, max_samples) for name in names}  # fail early on bad --data
+    info = read_target_info(draft_dir)
+    resolved = _resolve_target_source(info, model, draft_dir)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    draft = load_draft(draft_dir)
+    target = load_target_model(resolved.load_path, device)
+    check_compatibility(draft, target, info, draft_dir)
+    tokenizer = load_tokenizer(resolved.load_path)
+    stops = stop_token_ids(resolved.load_path, tokenizer)
+    target_dtype = next(target.parameters()).dtype
+    draft = draft.to(device=device, dtype=torch.float32 if device == "cpu" else target_dtype).eval()
+    embed = target.get_input_embeddings().weight
+    head = target.get_output_embeddings().weight
+    layer_ids = list(draft.config.target_layer_ids)
+    block_size = int(draft.config.block_size)
+    greedy = temperature == 0
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def dflash(ids: list[int], n: int) -> SpecResult:
+        return speculative_generate(target, draft, embed, head, ids, layer_ids, n, stops,
+                                    temperature=temperature, generator=generator)
+
+    # Warm-up (untimed): first calls allocate and pick kernels.
+    first = tokenize_prompt(tokenizer, next(iter(prompts_by_dataset.values()))[0].messages)
+    dflash(first, 4)
+    greedy_generate(target, first, 4, stops)
+    prompt_lookup_generate(target, first, 4, stops)
+
+    datasets: dict[str, Any] = {}
+    for name, prompts in prompts_by_dataset.items():
+        runs: dict[str, list[SpecResult]] = {"dflash": [], "plain": [], "prompt_lookup": []}
+        samples: list[dict[str, Any]] = []
+        for prompt in prompts:
+            ids = tokenize_prompt(tokenizer, prompt.messages)
+            spec = dflash(ids, max_new_tokens)
+            plain = greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature, generator=generator)
+            lookup = prompt_lookup_generate(target, ids, max_new_tokens, stops)
+            sample: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "new_tokens": len(spec.tokens),
+                                      "steps": spec.steps, "tau": spec.tau, "accepted": spec.accepted,
+                                      "seconds": {"dflash": spec.seconds, "plain": plain.seconds,
+                                                  "prompt_lookup": lookup.seconds}}
+            if greedy:
+                sample.update(compare_greedy(target, prompt, ids, plain.tokens, spec.tokens))
+                sample["prompt_lookup_identical"] = lookup.tokens == plain.tokens
+            samples.append(sample)
+            runs["dflash"].append(spec)
+            runs["plain"].append(plain)
+            runs["prompt_lookup"].append(lookup)
+            log.info("%s %s: %d tokens, tau %.2f, %.1f / %.1f / %.1f tok/s (dflash / plain / lookup)", name,
+                     prompt.id, len(spec.tokens), spec.tau, spec.tokens_per_second, plain.tokens_per_second,
+                     lookup.tokens_per_second)
+        datasets[name] = _summarise(name, samples, runs, block_size, greedy)
+
+    report = {
+        "draft_dir": str(draft_dir),
+        "target": resolved.display_name,
+        "target_load_path": resolved.load_path,
+        "device": device,
+        "target_dtype": str(target_dtype).replace("torch.", ""),
+        "torch_threads": torch.get_num_threads(),
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "max_samples": max_samples,
+        "block_size": block_size,
+        "draft_layers": int(draft.config.num_hidden_layers),
+        "target_layer_ids": layer_ids,
+        "mask_token_id": int(draft.config.mask_token_id),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "datasets": datasets,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".eval.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(_json_safe(report), indent=2) + "\n")
+    os.replace(tmp, out_dir / "eval.json")
+    write_markdown(report, out_dir / "eval.md")
+    write_plot(report, out_dir / "eval.png")
+    return report
