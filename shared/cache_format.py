@@ -222,17 +222,19 @@ def create_shard_store(
     return features
 
 
-def feature_file_problems(store: Path, num_rows: int, feature_dim: int) -> list[str]:
-    """A cheap structural check of the `features` array: every shard file exists with the exact size that the
-    uncompressed layout implies (inner chunks of `chunk_rows` rows + 4-byte crc each, then the shard index).
-    Catches truncated, missing or swapped files without reading them; `dflash inspect --verify` reads everything."""
-    layout = StoreLayout.for_feature_dim(feature_dim)
-    chunk_bytes = layout.chunk_rows * feature_dim * 2 + 4
-    index_bytes = (layout.shard_rows // layout.chunk_rows) * 16 + 4
+def feature_file_problems(store: Path, features: Any) -> list[str]:
+    """A cheap structural check of the `features` array (the zarr array of `store`): every shard file exists with
+    the exact size its uncompressed layout implies (inner chunks + 4-byte crc each, then the shard index), using
+    the chunk and shard shapes recorded in the array's metadata. Catches truncated, missing or swapped files
+    without reading them; `dflash inspect --verify` reads everything."""
+    num_rows, feature_dim = (int(x) for x in features.shape)
+    chunk_rows, shard_rows = int(features.chunks[0]), int(features.shards[0])
+    chunk_bytes = chunk_rows * feature_dim * 2 + 4
+    index_bytes = (shard_rows // chunk_rows) * 16 + 4
     problems = []
-    for k in range(-(-num_rows // layout.shard_rows)):
-        rows = min(layout.shard_rows, num_rows - k * layout.shard_rows)
-        expected = -(-rows // layout.chunk_rows) * chunk_bytes + index_bytes
+    for k in range(-(-num_rows // shard_rows)):
+        rows = min(shard_rows, num_rows - k * shard_rows)
+        expected = -(-rows // chunk_rows) * chunk_bytes + index_bytes
         path = store / "features" / "c" / str(k) / "0"
         size = path.stat().st_size if path.is_file() else None
         if size != expected:

@@ -269,7 +269,7 @@ def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any],
     if features_shape != (tokens, feature_dim):
         problems.append(f"its features have shape {features_shape}, expected {(tokens, feature_dim)}")
     else:
-        problems += cf.feature_file_problems(path, tokens, feature_dim)
+        problems += cf.feature_file_problems(path, reader.features)
     if problems:
         raise _shard_error(cache_dir, shard, "does not match the manifest: " + "; ".join(problems))
     return offsets, _candidate_counts(loss_mask, offsets), sample_index
