@@ -319,6 +319,9 @@ class Supervisor:
                          stats["tokens"], stats["skipped"] or "none", stats["seconds"])
             elif kind == "error":
                 failed_text = f"worker {worker_id} failed on shard {shard}:\n{payload[0]}"
+                if "No space left on device" in payload[0]:
+                    failed_text += ("the disk is full: free space and rerun the same command; finished shards are "
+                                    "kept and the unfinished one is redone\n")
                 self._set_shard(shard, {"status": cf.SHARD_FAILED, "error": payload[0].strip().splitlines()[-1]})
                 break
         progress.close()
