@@ -14,7 +14,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,14 +79,12 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     position: int = 0  # micro-batches of this rank's plan already consumed in `epoch`
-    history: list[dict[str, Any]] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.epoch, self.position = int(state["step"]), int(state["epoch"]), int(state["position"])
-        self.history = list(state.get("history", []))
 
 
 def cosine_with_warmup(total_steps: int, warmup_fraction: float) -> Any:
@@ -99,18 +97,6 @@ def cosine_with_warmup(total_steps: int, warmup_fraction: float) -> Any:
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
-
-
-def model_flops_per_token(config: Any, context_len: float, block_size: int) -> float:
-    """Training FLOPs per block token (forward + backward = 3x forward), counted as matmul FLOPs:
-    projections and MLP of every layer on the block tokens, K/V projections of the context (per layer, per block
-    token's share of the context), attention scores and values over the visible keys, the fc projection of the
-    context, and the frozen LM head (forward and input-gradient only, 2x)."""
-    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    per_layer = 2 * h * (heads * hd) * 2 + 2 * h * (kv * hd) * 2 + 3 * 2 * h * inter
-    attention = 2 * 2 * heads * hd * (context_len / 2 + block_size)  # on average half the context is visible
-    return 3 * layers * (per_layer + attention)
 
 
 class Trainer:
@@ -157,7 +143,6 @@ class Trainer:
                                          sliding_window=options.sliding_window)
         torch.manual_seed(options.seed)
         self.model = DFlashDraftModel(self.config, attn_implementation=options.attention)  # type: ignore[arg-type]
-        self.model.gradient_checkpointing = False
         # Frozen target parts in the compute dtype (bf16 under mixed precision; fp32 otherwise, e.g. CPU tests).
         self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.embed = self.parts.embed_tokens.to(self.device, self.compute_dtype)
@@ -312,7 +297,6 @@ class Trainer:
                 window_tokens += tokens * self.world
                 record = {"step": self.state.step, "loss": float(global_loss), "lr": self.scheduler.get_last_lr()[0],
                           "accuracy": float(correct[1:].sum() / counted[1:].sum().clamp(min=1))}
-                self.state.history.append({"step": record["step"], "loss": record["loss"]})
                 if self.state.step % options.log_every == 0 or self.state.step == self.total_steps:
                     elapsed = time.time() - window_start
                     record["block_tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
