@@ -189,16 +189,25 @@ def _print_summary(summary: dict[str, Any]) -> None:
         click.echo(f"{name:>12}  {value}")
 
 
+def _generate_summary(out_dir: Path) -> dict[str, Any]:
+    """A `dflash generate` output directory: conversations finished so far (whole lines of the part files)."""
+    finished = 0
+    for part in (out_dir / "parts").glob("*.jsonl.part"):
+        finished += part.read_bytes().count(b"\n")
+    return {"output": str(out_dir), "finished": finished}
+
+
 @click.command("status")
 @click.option("--cache", "cache_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
-              help="Cache directory of a running or finished `dflash extract`.")
+              help="Cache directory of a `dflash extract` (or output directory of a `dflash generate`).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def status_command(cache_dir: Path, as_json: bool) -> None:
     """What is running, done and failed in a cache, and how fast (works from another shell).
 
     A run whose process is gone or whose heartbeat is older than 30 s is reported as dead.
     """
-    summary = cache_summary(cache_dir)
+    generate_output = not (cache_dir / cf.MANIFEST_FILE).exists() and (cache_dir / "generate.json").exists()
+    summary = _generate_summary(cache_dir) if generate_output else cache_summary(cache_dir)
     status = cf.read_status(cache_dir)
     run = status.get("run")
     state = run_state(run)
@@ -214,8 +223,12 @@ def status_command(cache_dir: Path, as_json: bool) -> None:
                    f"{run.get('tokens_per_s', 0):,.0f} tok/s, ETA {'?' if eta is None else f'{eta:,.0f} s'}")
         for name, data in sorted(workers.items()):
             alive = "alive" if _pid_alive(int(data.get("pid", -1))) else "gone"
-            click.echo(f"  {name}: {data.get('device')} shard {data.get('shard')} ({alive}), "
+            where = f"chunk {data.get('chunk')}" if generate_output else f"shard {data.get('shard')}"
+            click.echo(f"  {name}: {data.get('device')} {where} ({alive}), "
                        f"{data.get('samples', 0):,} samples, {data.get('tokens', 0):,} tokens")
+    if generate_output:
+        click.echo(f"generate output: {summary['finished']:,} conversations finished")
+        return
     counts = summary["shard_status"]
     click.echo(f"shards: {summary['shards']} ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}); "
                f"{summary['samples']:,} samples and {summary['tokens']:,} tokens stored")

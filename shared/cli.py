@@ -16,6 +16,7 @@ import click
 from shared.errors import user_facing_errors
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("stage1_extract.cli", "generate_command"),
     "extract": ("stage1_extract.cli", "extract_command"),
     "status": ("shared.cache_commands", "status_command"),
     "inspect": ("shared.cache_commands", "inspect_command"),
@@ -41,6 +42,7 @@ def dflash() -> None:
     """dflash: train DFlash block-diffusion drafters for speculative decoding, in two stages.
 
     \b
+    0. dflash generate  (optional) regenerate the answers of chat data with the target itself
     1. dflash extract   run the target over chat data, cache its hidden states (Zarr v3)
     2. dflash train     train the drafter from that cache (HF Accelerate), measure acceptance, export
     dflash export       export a checkpoint as a Hugging Face folder

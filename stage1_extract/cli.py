@@ -71,3 +71,51 @@ def extract_command(**kwargs: object) -> None:
         click.echo(f"dflash extract: refused: {error}", err=True)
         sys.exit(EXIT_REFUSED)
     sys.exit(code)
+
+
+@click.command("generate")
+@click.option("--model", default=None, metavar="ID|DIR|FILE.gguf",
+              help="Target model (as for extract). Default: the embedded SmolLM2-135M-Instruct.")
+@click.option("--data", default=None, metavar="ID|PATH", help="Conversations (as for extract). Default: ShareGPT.")
+@click.option("--column", default=None, help="Column holding the conversation when it is not messages/conversations.")
+@click.option("--split", default="train", show_default=True, help="Split of a HF dataset.")
+@click.option("--out", "out", type=click.Path(path_type=Path), default=Path("dflash_generated"), show_default=True,
+              help="Output directory (created; a rerun resumes it). The result is OUT/conversations.jsonl.")
+@click.option("--max-samples", type=click.IntRange(min=1), default=None, help="Use only the first N conversations.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Longest answer per assistant turn; a turn cut here ends its conversation.")
+@click.option("--max-length", type=click.IntRange(min=8), default=2048, show_default=True,
+              help="Longest conversation in tokens (prompt + answer); use the --max-length you will extract with.")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0 = greedy (what greedy speculative decoding will verify); > 0 samples with this temperature.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (with --temperature > 0).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Worker processes. Default: one per GPU; 1 on a CPU-only machine.")
+@click.option("--batch-tokens", type=click.IntRange(min=64), default=None,
+              help="Rows x (longest prompt + new tokens) per generate call. Default 262144 on GPU, 16384 on CPU; "
+                   "halved automatically on OOM.")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
+              help="Conversations a worker finishes and saves at a time (what a kill can cost). "
+                   "Default 1024 on GPU, 32 on CPU.")
+@click.option("--overwrite", is_flag=True, help="Discard an earlier output made with other settings.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug messages on the console.")
+def generate_command(**kwargs: object) -> None:
+    """Regenerate the assistant turns of chat data with the target itself (training data for the drafter).
+
+    Every assistant turn is replaced by the target's own answer to the conversation so far, with the same chat
+    template extraction uses (greedy by default). One worker process per GPU; finished conversations are saved
+    as they complete, keyed by sample id, so a rerun of the same command resumes without duplicates. Then:
+    `dflash extract --data OUT/conversations.jsonl`.
+
+    Exit codes: 0 done, 1 a worker failed (see OUT/generate.log), 2 bad option or input, 3 refused (output made
+    with other settings, or in use by another run), 130/143 interrupted (rerun to resume).
+    """
+    from stage1_extract.generate_run import GenerateOptions, run_generate
+    from stage1_extract.supervisor import EXIT_REFUSED, ExtractRefused
+
+    try:
+        code = run_generate(GenerateOptions(**kwargs))  # type: ignore[arg-type]
+    except ExtractRefused as error:
+        click.echo(f"dflash generate: refused: {error}", err=True)
+        sys.exit(EXIT_REFUSED)
+    sys.exit(code)

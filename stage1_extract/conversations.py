@@ -478,7 +478,7 @@ def _accepts_sanitize(tokenizer_type: type) -> bool:
         return False
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> list[int]:
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> list[int]:
     """Token ids of the rendered chat; transformers 5.x returns a BatchEncoding unless return_dict=False."""
     extra = {"sanitize_control_tokens": True} if _accepts_sanitize(type(tokenizer)) else {}
     ids = tokenizer.apply_chat_template(
@@ -520,10 +520,10 @@ def _assistant_mask(
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or i == 0:
             continue
-        prefix = _chat_ids(tokenizer, messages[:i], add_generation_prompt=True)
+        prefix = chat_token_ids(tokenizer, messages[:i], add_generation_prompt=True)
         if len(prefix) >= limit:
             break
-        upto = _chat_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        upto = chat_token_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if not (_starts_with(upto, prefix) and _starts_with(full, upto)):
             return "template_not_prefix_stable"
         mask[len(prefix) : _span_end(full, len(prefix), len(upto), stops)] = 1
@@ -551,7 +551,7 @@ def tokenize_conversation(
 
     messages = [dict(message) for message in conversation.messages]
     try:
-        full = _chat_ids(tokenizer, messages, add_generation_prompt=False)
+        full = chat_token_ids(tokenizer, messages, add_generation_prompt=False)
         if len(full) > max_length and overlength == "skip":
             return "too_long"
         mask = _assistant_mask(tokenizer, messages, full, _stop_ids(tokenizer, stop_token_ids), max_length)

@@ -352,16 +352,7 @@ class Supervisor:
         cf.update_manifest(self.cache_dir, change)
 
     def _stop_workers(self) -> None:
-        """Terminate and reap every worker: none is left running or as a zombie."""
-        for process in self.processes:
-            if process.is_alive():
-                process.terminate()
-        deadline = time.time() + 15
-        for process in self.processes:
-            process.join(timeout=max(0.1, deadline - time.time()))
-            if process.is_alive():
-                process.kill()
-                process.join()
+        stop_processes(self.processes)
 
     def _write_run_status(self, state: str, progress: dict[str, Any]) -> None:
         cf.write_status(self.cache_dir, "run", {"command": "extract", "pid": os.getpid(), "state": state,
@@ -387,12 +378,12 @@ class Supervisor:
 class Progress:
     """One progress bar over all workers (samples, tokens/s, ETA); plain log lines when stderr is not a terminal."""
 
-    def __init__(self, total_samples: int) -> None:
+    def __init__(self, total_samples: int, desc: str = "extract") -> None:
         from tqdm import tqdm
 
         self.interactive = sys.stderr.isatty()
         self.bar = tqdm(total=total_samples, unit="sample", dynamic_ncols=True, disable=not self.interactive,
-                        desc="extract")
+                        desc=desc)
         self.total = total_samples
         self.samples = 0
         self.tokens = 0
@@ -425,6 +416,19 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def stop_processes(processes: list[mp.process.BaseProcess]) -> None:
+    """Terminate and reap every worker: none is left running or as a zombie."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.time() + 15
+    for process in processes:
+        process.join(timeout=max(0.1, deadline - time.time()))
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _format_seconds(seconds: float | None) -> str:

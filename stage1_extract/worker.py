@@ -97,7 +97,7 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when the supervisor dies, so no worker outlives a killed run."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -238,7 +238,7 @@ class ShardExtractor:
 
 def worker_main(worker_id: int, device_name: str, config: WorkerConfig, tasks: Any, events: Any) -> None:
     """Entry point of a spawned worker process."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the supervisor, which stops us
     setup_logging(config.log_file, verbose=config.verbose, console=False)
     shard = -1

@@ -166,3 +166,38 @@ def test_train_survives_a_random_kill(baseline_cache: Path, tmp_path: Path, atte
     except AssertionError:
         _record(f"train: {how.name}", False, 1)
         raise
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("attempt", range(10))
+def test_generate_survives_a_random_kill(chat_jsonl: Path, tmp_path_factory: pytest.TempPathFactory,
+                                         tmp_path: Path, attempt: int) -> None:
+    from tests.test_generate import GENERATE_ARGS
+
+    reference = tmp_path_factory.getbasetemp() / "generate-reference"
+    if not (reference / "conversations.jsonl").is_file():
+        run_dflash("generate", "--data", str(chat_jsonl), "--out", str(reference), *GENERATE_ARGS, check=True)
+    rng = random.Random(200 + attempt)
+    out = tmp_path / "gen"
+    args = ("generate", "--data", str(chat_jsonl), "--out", str(out), *GENERATE_ARGS)
+    process = _popen(*args)
+    victim, how = rng.choice(["worker", "supervisor"]), rng.choice([signal.SIGKILL, signal.SIGTERM])
+    time.sleep(rng.uniform(1.0, 20.0))
+    if victim == "worker" and (out / "status" / "worker-0.json").is_file():
+        os.kill(json.loads((out / "status" / "worker-0.json").read_text())["pid"], how)
+    elif process.poll() is None:
+        process.send_signal(how)
+    process.wait(timeout=120)
+    rerun = run_dflash(*args)
+    expected = (reference / "conversations.jsonl").read_text().splitlines()
+    try:
+        assert rerun.returncode == 0, rerun.stderr[-2000:]
+        got = (out / "conversations.jsonl").read_text().splitlines()
+        part_lines = sum(len(p.read_text().splitlines()) for p in (out / "parts").glob("*.part"))
+        lost = len({json.loads(x)["id"] for x in expected} - {json.loads(x)["id"] for x in got})
+        assert part_lines == len(expected), "duplicated samples"
+        assert got == expected
+        _record(f"generate: {how.name} {victim}", True, 0)
+    except AssertionError:
+        _record(f"generate: {how.name} {victim}", False, max(1, locals().get("lost", 1)))
+        raise

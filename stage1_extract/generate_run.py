@@ -1,0 +1,371 @@
+"""`dflash generate`: one worker process per device regenerates conversations; the output resumes by sample id.
+
+Output directory:
+    conversations.jsonl        the result, in dataset order; feed it to `dflash extract --data`
+    generate.json              the settings the output was made with (a rerun with other settings is refused)
+    parts/worker-K.jsonl.part  what each worker has finished, one JSON line per conversation, fsynced per chunk
+    generate.log, status/      log file (created first) and heartbeats for `dflash status --cache DIR`
+
+Workers append whole chunks of finished conversations to their part file. A kill can leave at most a partial
+last line, which the next run cuts off before anything is appended; conversations already in a part file are
+never generated again, so a rerun of the same command neither loses nor duplicates a sample.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import sys
+import time
+import traceback
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared import cache_format as cf
+from shared.logs import get_logger, setup_logging
+from shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids, target_content_hash
+from stage1_extract.conversations import Conversation, load_conversations, template_fingerprint
+from stage1_extract.regenerate import ConversationRegenerator, GenerateSettings
+from stage1_extract.supervisor import EXIT_FAILED, EXIT_OK, ExtractRefused, Progress, detect_devices, stop_processes
+from stage1_extract.worker import die_with_parent
+
+log = get_logger(__name__)
+
+OUTPUT_FILE = "conversations.jsonl"
+SETTINGS_FILE = "generate.json"
+PARTS_DIR = "parts"
+LOG_FILE = "generate.log"
+
+
+@dataclass
+class GenerateOptions:
+    out: Path
+    model: str | None = None
+    data: str | None = None
+    column: str | None = None
+    split: str = "train"
+    max_samples: int | None = None
+    max_new_tokens: int = 512
+    max_length: int = 2048
+    temperature: float = 0.0
+    seed: int = 0
+    workers: int | None = None
+    batch_tokens: int | None = None
+    chunk_size: int | None = None
+    overwrite: bool = False
+    verbose: bool = False
+
+
+@dataclass(frozen=True)
+class _WorkerConfig:
+    out_dir: Path
+    load_path: str
+    stop_token_ids: list[int]
+    settings: GenerateSettings
+    log_file: Path
+    threads: int
+    verbose: bool
+
+
+def sample_keys(conversations: list[Conversation]) -> list[str]:
+    """Output keys: the sample id, made unique with '#n' where a dataset repeats an id."""
+    seen: dict[str, int] = {}
+    keys = []
+    for conversation in conversations:
+        count = seen.get(conversation.sample_id, 0)
+        seen[conversation.sample_id] = count + 1
+        keys.append(conversation.sample_id if count == 0 else f"{conversation.sample_id}#{count}")
+    return keys
+
+
+def repair_part_file(path: Path) -> int:
+    """Cut off a partial last line left by a kill; returns the bytes removed."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with open(path, "rb+") as handle:
+        handle.seek(-1, os.SEEK_END)
+        if handle.read(1) == b"\n":
+            return 0
+        data = path.read_bytes()
+        keep = data.rfind(b"\n") + 1
+        handle.truncate(keep)
+        handle.flush()
+        os.fsync(handle.fileno())
+        return size - keep
+
+
+def read_finished(out_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every finished record in the part files, by key (the first one wins if a key ever appears twice)."""
+    records: dict[str, dict[str, Any]] = {}
+    for path in sorted((out_dir / PARTS_DIR).glob("*.jsonl.part")):
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.endswith("\n"):
+                    break  # a partial line of a killed writer: not finished
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ExtractRefused(f"{path}:{number} is not valid JSON ({error}); the part file was edited or "
+                                         "damaged: delete it to regenerate its conversations") from error
+                records.setdefault(str(record["id"]), record)
+    return records
+
+
+def append_records(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append whole lines and fsync, so a finished chunk survives a kill or power loss."""
+    text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+class GenerateRun:
+    def __init__(self, options: GenerateOptions) -> None:
+        self.options = options
+        self.out_dir = options.out.resolve()
+        self.log_file = self.out_dir / LOG_FILE
+        self.processes: list[mp.process.BaseProcess] = []
+        self.started = time.time()
+
+    def run(self) -> int:
+        from filelock import FileLock, Timeout
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        setup_logging(self.log_file, verbose=self.options.verbose)
+        print(f"dflash generate: output directory {self.out_dir} (log: {self.log_file})", file=sys.stderr)
+        log.info("dflash generate starting (pid %d): %s", os.getpid(), self.options)
+        with ExitStack() as stack:
+            lock = FileLock(str(self.out_dir / ".generate.lock"), timeout=0)
+            try:
+                lock.acquire()
+            except Timeout as error:
+                raise ExtractRefused(f"another `dflash generate` is writing to {self.out_dir}; wait for it or use "
+                                     "another --out") from error
+            stack.callback(lock.release)
+            keys, conversations, config = self._prepare()
+            finished = read_finished(self.out_dir)
+            pending = [(key, c) for key, c in zip(keys, conversations) if key not in finished]
+            log.info("%d conversations: %d already generated, %d to go", len(keys), len(keys) - len(pending),
+                     len(pending))
+            code = self._supervise(pending, config) if pending else EXIT_OK
+            if code == EXIT_OK:
+                self._write_output(keys)
+            return code
+        return EXIT_OK  # pragma: no cover - ExitStack does not swallow exceptions
+
+    def _prepare(self) -> tuple[list[str], list[Conversation], _WorkerConfig]:
+        opts = self.options
+        target = resolve_target(opts.model)
+        tokenizer = load_tokenizer(target.load_path)
+        data = load_conversations(opts.data, column=opts.column, split=opts.split, max_samples=opts.max_samples)
+        log.info("data %s: %d conversations (skipped while loading: %s)", data.source, len(data.conversations),
+                 data.skipped or "none")
+        settings = GenerateSettings(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, seed=opts.seed,
+                                    max_length=opts.max_length, batch_tokens=1)
+        identity = {
+            "target_source": target.source or "embedded:SmolLM2-135M-Instruct",
+            "target_hash": target_content_hash(target.load_path),
+            "tokenizer_hash": template_fingerprint(tokenizer),
+            "data_fingerprint": data.fingerprint,
+            **settings.identity(),
+        }
+        self._check_settings(identity, data.source)
+        devices, threads = detect_devices(opts.workers)
+        on_gpu = devices[0].startswith("cuda")
+        batch_tokens = opts.batch_tokens or (262144 if on_gpu else 16384)
+        settings = GenerateSettings(**{**settings.identity(), "batch_tokens": batch_tokens})
+        config = _WorkerConfig(self.out_dir, target.load_path, stop_token_ids(target.load_path, tokenizer), settings,
+                               self.log_file, threads, opts.verbose)
+        return sample_keys(data.conversations), data.conversations, config
+
+    def _check_settings(self, identity: dict[str, Any], source: str) -> None:
+        path = self.out_dir / SETTINGS_FILE
+        parts = self.out_dir / PARTS_DIR
+        if path.exists():
+            existing = json.loads(path.read_text())
+            differences = [f"{key}: the output has {existing['identity'].get(key)!r}, this run has {value!r}"
+                           for key, value in identity.items() if existing["identity"].get(key) != value]
+            if differences and not self.options.overwrite:
+                raise ExtractRefused(f"{self.out_dir} was generated with different settings:\n  "
+                                     + "\n  ".join(differences)
+                                     + "\nuse another --out, or pass --overwrite to discard it and generate again")
+            if differences:
+                log.warning("--overwrite: discarding the earlier output (%s)", "; ".join(differences))
+                shutil.rmtree(parts, ignore_errors=True)
+                (self.out_dir / OUTPUT_FILE).unlink(missing_ok=True)
+        elif parts.exists() and any(parts.iterdir()):
+            raise ExtractRefused(f"{parts} holds part files but {path} is missing; delete {parts} to start over")
+        cf.write_json_atomic(path, {"identity": identity, "data_source": source})
+        parts.mkdir(exist_ok=True)
+        for part in parts.glob("*.jsonl.part"):
+            cut = repair_part_file(part)
+            if cut:
+                log.warning("%s: cut off a partial last line (%d bytes) left by an interrupted run", part.name, cut)
+
+    def _supervise(self, pending: list[tuple[str, Conversation]], config: _WorkerConfig) -> int:
+        devices, _ = detect_devices(self.options.workers)
+        chunk_size = self.options.chunk_size or (1024 if devices[0].startswith("cuda") else 32)
+        chunks = [pending[i:i + chunk_size] for i in range(0, len(pending), chunk_size)]
+        devices = devices[: len(chunks)]
+        context = mp.get_context("spawn")
+        tasks, events = context.Queue(), context.Queue()
+        for number, chunk in enumerate(chunks):
+            tasks.put((number, chunk))
+        for _ in devices:
+            tasks.put(None)
+        log.info("generating %d conversations in %d chunk(s) with %d worker(s) on %s, token budget %d, "
+                 "up to %d new tokens per turn", len(pending), len(chunks), len(devices),
+                 ", ".join(sorted(set(devices))), config.settings.batch_tokens, config.settings.max_new_tokens)
+        for worker_id, device in enumerate(devices):
+            process = context.Process(target=_worker_main, args=(worker_id, device, config, tasks, events),
+                                      name=f"dflash-generate-{worker_id}", daemon=True)
+            process.start()
+            self.processes.append(process)
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            return self._event_loop(len(chunks), len(pending), events)
+        except KeyboardInterrupt as interrupt:
+            signum = interrupt.args[0] if interrupt.args else signal.SIGINT
+            log.warning("interrupted (%s): stopping workers; rerun the same command to resume",
+                        signal.Signals(signum).name)
+            stop_processes(self.processes)
+            self._write_run_status("interrupted", {})
+            return 128 + int(signum)
+        finally:
+            stop_processes(self.processes)
+            tasks.cancel_join_thread()
+            tasks.close()
+            events.close()
+            signal.signal(signal.SIGTERM, previous)
+
+    def _event_loop(self, chunks: int, total: int, events: Any) -> int:
+        progress = Progress(total, desc="generate")
+        failed_text = None
+        while chunks:
+            try:
+                kind, worker_id, *payload = events.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in self.processes if p.exitcode not in (None, 0)]
+                if dead:
+                    failed_text = f"worker {dead[0].name} died with exit code {dead[0].exitcode} (see {self.log_file})"
+                    break
+                if all(p.exitcode is not None for p in self.processes):
+                    failed_text = f"all workers exited with {chunks} chunk(s) unfinished"
+                    break
+                self._write_run_status("running", progress.snapshot())
+                progress.tick()
+                continue
+            if kind == "progress":
+                progress.add(payload[0], payload[1])
+            elif kind == "chunk_done":
+                chunks -= 1
+            elif kind == "error":
+                failed_text = f"worker {worker_id} failed:\n{payload[0]}"
+                break
+        progress.close()
+        if failed_text is not None:
+            print(f"dflash generate: FAILED. {failed_text}\nfinished conversations are kept: rerun the same command "
+                  "to resume", file=sys.stderr)
+            log.error("run failed: %s", failed_text)
+            self._write_run_status("failed", {"error": failed_text.splitlines()[0]})
+            return EXIT_FAILED
+        self._write_run_status("done", progress.snapshot())
+        return EXIT_OK
+
+    def _write_output(self, keys: list[str]) -> None:
+        """conversations.jsonl in dataset order, written to a temporary file and renamed (never half written)."""
+        finished = read_finished(self.out_dir)
+        missing = [key for key in keys if key not in finished]
+        if missing:
+            raise ExtractRefused(f"{len(missing)} conversations are not generated (e.g. {missing[:3]}); rerun")
+        records = [finished[key] for key in keys]
+        kept = [r for r in records if "skipped" not in r]
+        path = self.out_dir / OUTPUT_FILE
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as handle:
+            for record in kept:
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        reasons: dict[str, int] = {}
+        for record in kept:
+            reason = record["dflash"]["finish_reason"]
+            reasons[reason] = reasons.get(reason, 0) + 1
+        tokens = sum(record["dflash"]["generated_tokens"] for record in kept)
+        summary = {"conversations": len(kept), "skipped": len(records) - len(kept), "generated_tokens": tokens,
+                   "finish_reasons": reasons}
+        settings = json.loads((self.out_dir / SETTINGS_FILE).read_text())
+        cf.write_json_atomic(self.out_dir / SETTINGS_FILE, {**settings, "summary": summary})
+        message = (f"generated {len(kept)} conversations ({tokens} new tokens; ends: {reasons}; skipped "
+                   f"{len(records) - len(kept)}) -> {path}\nnext: dflash extract --data {path}")
+        log.info(message)
+
+    def _write_run_status(self, state: str, progress: dict[str, Any]) -> None:
+        cf.write_status(self.out_dir, "run", {"command": "generate", "pid": os.getpid(), "state": state,
+                                              "started": self.started, **progress})
+
+
+def _raise_interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(signum)
+
+
+def _worker_main(worker_id: int, device_name: str, config: _WorkerConfig, tasks: Any, events: Any) -> None:
+    """Entry point of a spawned generation worker: load the target once, then take chunks until told to stop."""
+    import torch
+
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor handles Ctrl-C and stops us
+    setup_logging(config.log_file, verbose=config.verbose, console=False)
+    part_file = config.out_dir / PARTS_DIR / f"worker-{worker_id}.jsonl.part"
+    done = {"samples": 0, "tokens": 0, "chunk": -1}
+
+    def heartbeat() -> None:  # `dflash status` reads it; written per batch and before the model loads
+        cf.write_status(config.out_dir, f"worker-{worker_id}", {"pid": os.getpid(), "device": device_name, **done})
+
+    def report(conversations: int, tokens: int) -> None:
+        events.put(("progress", worker_id, conversations, tokens))
+        done["samples"] += conversations
+        done["tokens"] += tokens
+        heartbeat()
+
+    try:
+        heartbeat()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        device = torch.device(device_name)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        log.info("worker %d on %s: loading the target", worker_id, device_name)
+        model = load_target_model(config.load_path, device_name)
+        if device.type == "cpu":
+            # bf16 matmuls are ~1.7x slower than fp32 on CPUs without bf16 units; the text barely changes (near-ties).
+            model = model.float()
+        tokenizer = load_tokenizer(config.load_path)
+        regenerator = ConversationRegenerator(model, tokenizer, config.stop_token_ids, config.settings, report)
+        while (task := tasks.get()) is not None:
+            number, chunk = task
+            done["chunk"] = number
+            started = time.time()
+            records = regenerator.regenerate(chunk)
+            append_records(part_file, records)
+            log.info("worker %d: chunk %d done (%d conversations, %.1f s)", worker_id, number, len(chunk),
+                     time.time() - started)
+            events.put(("chunk_done", worker_id, number))
+    except BaseException:  # noqa: BLE001 - every failure goes to the supervisor with its traceback
+        text = traceback.format_exc()
+        log.error("worker %d failed:\n%s", worker_id, text)
+        events.put(("error", worker_id, text))
+        raise SystemExit(1)
+
+
+def run_generate(options: GenerateOptions) -> int:
+    return GenerateRun(options).run()

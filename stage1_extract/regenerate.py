@@ -1,0 +1,190 @@
+"""Regenerate the assistant turns of conversations with the target (the model side of `dflash generate`).
+
+A drafter learns best from what the target itself says, so every assistant turn is replaced by the target's own
+answer to the conversation so far (system and user turns are kept, earlier assistant turns are the regenerated
+ones). Conversations advance turn by turn: all conversations waiting for their k-th answer are generated
+together in token-budget batches (left padded, transformers' `generate`), longest prompts first.
+
+A turn that reaches its token limit without an end-of-turn token ends the conversation there: later user turns
+answer the original reply, not this one. A prompt that no longer fits `max_length` ends it too; a conversation
+whose first prompt does not fit is skipped ("prompt_too_long").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from shared.logs import get_logger
+from stage1_extract.conversations import Conversation, chat_token_ids
+from stage1_extract.worker import FAKE_OOM_ENV, plan_batches
+
+log = get_logger(__name__)
+
+FINISH_STOP, FINISH_LENGTH, FINISH_CONTEXT = "stop", "length", "context_full"
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0
+    max_length: int = 2048  # prompt + answer, in tokens; also bounds the conversation
+    batch_tokens: int = 65536  # rows x (longest prompt + max_new_tokens) per generate call
+
+    def identity(self) -> dict[str, Any]:
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "seed": self.seed,
+                "max_length": self.max_length}
+
+
+@dataclass
+class _Progress:
+    """One conversation being regenerated."""
+
+    conversation: Conversation
+    key: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+    next_index: int = 0  # next original message to look at
+    generated_turns: int = 0
+    generated_tokens: int = 0
+    finish_reason: str = FINISH_STOP
+    done: bool = False
+
+    def advance(self) -> None:
+        """Copy original messages until the next assistant turn that has a prompt before it (or the end)."""
+        original = self.conversation.messages
+        while self.next_index < len(original):
+            message = original[self.next_index]
+            if message["role"] == "assistant" and self.messages:
+                return
+            self.messages.append(dict(message))
+            self.next_index += 1
+        self.done = True
+
+    def record(self) -> dict[str, Any]:
+        if self.generated_turns == 0:
+            return {"id": self.key, "skipped": "prompt_too_long"}
+        return {
+            "id": self.key,
+            "messages": self.messages,
+            "dflash": {"source_index": self.conversation.index, "source_id": self.conversation.sample_id,
+                       "generated_turns": self.generated_turns, "generated_tokens": self.generated_tokens,
+                       "finish_reason": self.finish_reason},
+        }
+
+
+class ConversationRegenerator:
+    """Holds the target and tokenizer; `regenerate` turns conversations into output records."""
+
+    def __init__(self, model: Any, tokenizer: Any, stop_token_ids: list[int], settings: GenerateSettings,
+                 report: Callable[[int, int], None] | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stops = list(stop_token_ids) or [int(tokenizer.eos_token_id)]
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
+        self.settings = settings
+        self.report = report or (lambda conversations, tokens: None)
+        self.device = next(model.parameters()).device
+        self.batch_tokens = settings.batch_tokens
+        self.oom_retries = 0
+        self.fake_oom_tokens = int(os.environ.get(FAKE_OOM_ENV, "0"))
+
+    def regenerate(self, conversations: list[tuple[str, Conversation]]) -> list[dict[str, Any]]:
+        """(key, conversation) pairs -> one output record each, in the same order."""
+        states = [_Progress(conversation, key) for key, conversation in conversations]
+        for state in states:
+            state.advance()
+            if state.done:  # nothing to regenerate (e.g. only an opening assistant turn)
+                self.report(1, 0)
+        while waiting := [s for s in states if not s.done]:
+            prompts = []
+            for state in waiting:
+                ids = chat_token_ids(self.tokenizer, state.messages, add_generation_prompt=True)
+                if len(ids) >= self.settings.max_length - 1:
+                    state.done, state.finish_reason = True, FINISH_CONTEXT
+                    self.report(1, 0)
+                else:
+                    prompts.append((state, ids))
+            prompts.sort(key=lambda item: (-len(item[1]), item[0].conversation.index))
+            lengths = [len(ids) + self._budget(ids) for _, ids in prompts]
+            for batch in plan_batches(lengths, self.batch_tokens, 1):
+                self._generate_with_backoff([prompts[i] for i in batch])
+        return [state.record() for state in states]
+
+    def _budget(self, prompt: list[int]) -> int:
+        return min(self.settings.max_new_tokens, self.settings.max_length - len(prompt))
+
+    def _generate_with_backoff(self, batch: list[tuple[_Progress, list[int]]]) -> None:
+        """Generate one batch; on out-of-memory halve it and retry both halves, instead of dying."""
+        try:
+            answers = self._generate(batch)
+        except torch.OutOfMemoryError:
+            if len(batch) == 1:
+                raise
+            self.oom_retries += 1
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.batch_tokens = max(64, self.batch_tokens // 2)
+            log.warning("out of memory generating %d answers: retrying as two halves (token budget now %d)",
+                        len(batch), self.batch_tokens)
+            half = len(batch) // 2
+            self._generate_with_backoff(batch[:half])
+            self._generate_with_backoff(batch[half:])
+            return
+        finished = tokens = 0
+        for (state, _), (text, count, reason) in zip(batch, answers):
+            state.messages.append({"role": "assistant", "content": text})
+            state.next_index += 1
+            state.generated_turns += 1
+            state.generated_tokens += count
+            tokens += count
+            if reason == FINISH_STOP:
+                state.advance()
+            else:
+                state.done, state.finish_reason = True, reason
+            finished += state.done
+        self.report(finished, tokens)
+
+    def _generate(self, batch: list[tuple[_Progress, list[int]]]) -> list[tuple[str, int, str]]:
+        """(text, generated tokens, finish reason) per row."""
+        from transformers import GenerationConfig
+
+        width = max(len(ids) for _, ids in batch)
+        budgets = [self._budget(ids) for _, ids in batch]
+        new_tokens = max(budgets)
+        if self.fake_oom_tokens and len(batch) * (width + new_tokens) > self.fake_oom_tokens and len(batch) > 1:
+            raise torch.OutOfMemoryError(f"fake OOM ({FAKE_OOM_ENV}={self.fake_oom_tokens})")
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (_, ids) in enumerate(batch):  # left padding: every row's answer starts at column `width`
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention_mask[row, width - len(ids):] = 1
+        sampling = self.settings.temperature > 0
+        config = GenerationConfig(
+            max_new_tokens=new_tokens, do_sample=sampling, temperature=self.settings.temperature if sampling else None,
+            top_k=None, top_p=None, eos_token_id=self.stops, pad_token_id=self.pad_id,
+        )
+        if sampling:
+            torch.manual_seed(_batch_seed(self.settings.seed, [state.key for state, _ in batch]))
+        output = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                                     generation_config=config)
+        answers = []
+        for row, budget in enumerate(budgets):
+            generated = output[row, width:width + budget].tolist()
+            stop_at = next((i for i, token in enumerate(generated) if token in self.stops), None)
+            if stop_at is not None:
+                content, reason, count = generated[:stop_at], FINISH_STOP, stop_at + 1
+            else:
+                content, reason, count = generated, FINISH_LENGTH, len(generated)
+            answers.append((self.tokenizer.decode(content, skip_special_tokens=True), count, reason))
+        return answers
+
+
+def _batch_seed(seed: int, keys: list[str]) -> int:
+    """Sampling seed of one batch: the same batch of the same run draws the same answers."""
+    digest = hashlib.sha256(f"{seed}\0{chr(0).join(keys)}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")

@@ -1,0 +1,179 @@
+"""`dflash generate`: regenerated answers equal plain greedy decoding; the CLI resumes without duplicates."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shared import cache_format as cf
+from shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids
+from stage1_extract.conversations import Conversation, chat_token_ids
+from stage1_extract.generate_run import read_finished, repair_part_file, sample_keys
+from stage1_extract.regenerate import FINISH_STOP, ConversationRegenerator, GenerateSettings
+from stage1_extract.worker import FAKE_OOM_ENV
+from tests.conftest import REPO, make_conversations, run_dflash
+
+GENERATE_ARGS = ("--max-samples", "10", "--max-new-tokens", "12", "--max-length", "160", "--chunk-size", "2",
+                 "--batch-tokens", "600")
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32() -> tuple[Any, Any, list[int]]:
+    target = resolve_target(None)
+    tokenizer = load_tokenizer(target.load_path)
+    model = load_target_model(target.load_path, "cpu").float()
+    return model, tokenizer, stop_token_ids(target.load_path, tokenizer)
+
+
+def _conversations(count: int) -> list[Conversation]:
+    return [Conversation(i, r["id"], tuple(r["messages"])) for i, r in enumerate(make_conversations(count))]
+
+
+def _plain_greedy(model: Any, prompt: list[int], max_new: int, stops: list[int]) -> list[int]:
+    """The reference: one full forward per token, no batching, padding or cache."""
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(max_new):
+        with torch.no_grad():
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        out.append(token)
+        if token in stops:
+            break
+        ids.append(token)
+    return out
+
+
+def test_batched_answers_equal_plain_greedy_decoding_turn_by_turn(smollm2_fp32: tuple[Any, Any, list[int]]) -> None:
+    model, tokenizer, stops = smollm2_fp32
+    conversations = _conversations(7)
+    settings = GenerateSettings(max_new_tokens=10, max_length=512, batch_tokens=10_000)
+    records = ConversationRegenerator(model, tokenizer, stops, settings).regenerate(
+        [(c.sample_id, c) for c in conversations])
+    assert [r["id"] for r in records] == [c.sample_id for c in conversations]
+    for conversation, record in zip(conversations, records):
+        messages = record["messages"]
+        kept = [m for m in messages if m["role"] != "assistant"]
+        assert kept == [m for m in conversation.messages if m["role"] != "assistant"][: len(kept)]
+        generated = 0
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = chat_token_ids(tokenizer, messages[:i], add_generation_prompt=True)
+            expected = _plain_greedy(model, prompt, 10, stops)
+            content = expected[:-1] if expected[-1] in stops else expected
+            assert message["content"] == tokenizer.decode(content, skip_special_tokens=True), (record["id"], i)
+            generated += len(expected)
+        info = record["dflash"]
+        assert info["generated_tokens"] == generated
+        if info["finish_reason"] == FINISH_STOP:  # every assistant turn was regenerated
+            assert len(messages) == len(conversation.messages)
+
+
+def test_fake_oom_halves_the_batches_and_gives_the_same_answers(smollm2_fp32: tuple[Any, Any, list[int]],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    model, tokenizer, stops = smollm2_fp32
+    pairs = [(c.sample_id, c) for c in _conversations(4)]
+    settings = GenerateSettings(max_new_tokens=6, max_length=512, batch_tokens=10_000)
+    plain = ConversationRegenerator(model, tokenizer, stops, settings).regenerate(pairs)
+    monkeypatch.setenv(FAKE_OOM_ENV, "150")
+    squeezed = ConversationRegenerator(model, tokenizer, stops, settings)
+    assert squeezed.regenerate(pairs) == plain
+    assert squeezed.oom_retries > 0
+
+
+def test_sample_keys_are_unique_where_ids_repeat() -> None:
+    conversations = [Conversation(i, name, ()) for i, name in enumerate(["a", "b", "a", "a"])]
+    assert sample_keys(conversations) == ["a", "b", "a#1", "a#2"]
+
+
+def test_a_partial_last_line_is_cut_and_not_counted(tmp_path: Path) -> None:
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    part = parts / "worker-0.jsonl.part"
+    part.write_text('{"id": "x", "messages": []}\n{"id": "y", "mess')
+    assert list(read_finished(tmp_path)) == ["x"]
+    assert repair_part_file(part) == len('{"id": "y", "mess')
+    assert part.read_text() == '{"id": "x", "messages": []}\n'
+    assert repair_part_file(part) == 0
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory, chat_jsonl: Path) -> Path:
+    """An uninterrupted run over the small chat file: the reference interrupted runs must equal."""
+    out = tmp_path_factory.mktemp("generated") / "gen"
+    run_dflash("generate", "--data", str(chat_jsonl), "--out", str(out), *GENERATE_ARGS, check=True)
+    return out
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_generate_output_feeds_extract(generated: Path, chat_jsonl: Path, tmp_path: Path) -> None:
+    records = _lines(generated / "conversations.jsonl")
+    assert [r["id"] for r in records] == [f"conv-{i}" for i in range(10)]
+    assert all(r["dflash"]["generated_tokens"] > 0 for r in records)
+    summary = json.loads((generated / "generate.json").read_text())["summary"]
+    assert summary["conversations"] == 10 and summary["skipped"] == 0
+    assert (generated / "generate.log").read_text().count("dflash generate starting") == 1
+    cache = tmp_path / "cache"
+    run_dflash("extract", "--data", str(generated / "conversations.jsonl"), "--out", str(cache), "--max-length", "160",
+               check=True)
+    assert cf.read_manifest(cache)["data"]["conversations"] == 10
+    # A rerun of a finished output does nothing and changes nothing.
+    before = (generated / "conversations.jsonl").read_bytes()
+    again = run_dflash("generate", "--data", str(chat_jsonl), "--out", str(generated), *GENERATE_ARGS)
+    assert again.returncode == 0 and "0 to go" in again.stderr, again.stderr[-2000:]
+    assert (generated / "conversations.jsonl").read_bytes() == before
+
+
+def test_killed_generate_resumes_without_duplicates_or_losses(generated: Path, chat_jsonl: Path,
+                                                              tmp_path: Path) -> None:
+    out = tmp_path / "gen"
+    args = ("generate", "--data", str(chat_jsonl), "--out", str(out), *GENERATE_ARGS)
+    process = subprocess.Popen([sys.executable, "-m", "shared.cli", *args], cwd=REPO, text=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    part = out / "parts" / "worker-0.jsonl.part"
+    deadline = time.time() + 300
+    while not (part.is_file() and part.read_text().count("\n") >= 2) and process.poll() is None:
+        assert time.time() < deadline, "no chunk was finished in time"
+        time.sleep(0.1)
+    if process.poll() is not None:
+        pytest.skip("the run finished before the kill")  # pragma: no cover - timing
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    with open(part, "a") as handle:  # what a writer killed mid-line leaves behind
+        handle.write('{"id": "conv-9", "messages": [{"ro')
+    rerun = run_dflash(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "cut off a partial last line" in (out / "generate.log").read_text()
+    finished_lines = sum(len(p.read_text().splitlines()) for p in (out / "parts").glob("*.part"))
+    assert finished_lines == 10, "a conversation was generated twice"
+    assert _lines(out / "conversations.jsonl") == _lines(generated / "conversations.jsonl")
+
+
+def test_rerun_with_other_settings_is_refused(generated: Path, chat_jsonl: Path) -> None:
+    changed = [a if a != "12" else "13" for a in GENERATE_ARGS]
+    result = run_dflash("generate", "--data", str(chat_jsonl), "--out", str(generated), *changed)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "max_new_tokens" in result.stderr and "--overwrite" in result.stderr
+
+
+def test_generate_bad_inputs_give_clear_errors(tmp_path: Path) -> None:
+    missing = run_dflash("generate", "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "g"))
+    assert missing.returncode == 2 and "data file not found" in missing.stderr and "Traceback" not in missing.stderr
+    model = run_dflash("generate", "--model", str(tmp_path), "--out", str(tmp_path / "g2"))
+    assert model.returncode == 2 and "Traceback" not in model.stderr, model.stderr[-2000:]
+    assert os.path.exists(tmp_path / "g2" / "generate.log")  # the log exists before anything is loaded
