@@ -86,11 +86,16 @@ def extract_command(**kwargs: object) -> None:
               help="Longest answer per assistant turn; a turn cut here ends its conversation.")
 @click.option("--max-length", type=click.IntRange(min=8), default=2048, show_default=True,
               help="Longest conversation in tokens (prompt + answer); use the --max-length you will extract with.")
+@click.option("--max-turns", type=click.IntRange(min=1), default=None,
+              help="Regenerate at most N assistant turns per conversation and end it there. Default: all turns.")
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="0 = greedy (what greedy speculative decoding will verify); > 0 samples with this temperature.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (with --temperature > 0).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Worker processes. Default: one per GPU; 1 on a CPU-only machine.")
+@click.option("--workers-per-gpu", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Worker processes sharing each GPU: for small targets, whose decoding is bound by per-step host "
+                   "overhead rather than by the GPU (e.g. 4 for SmolLM2-135M on an H200).")
 @click.option("--batch-tokens", type=click.IntRange(min=64), default=None,
               help="Rows x (longest prompt + new tokens) per generate call. Default 262144 on GPU, 16384 on CPU; "
                    "halved automatically on OOM.")

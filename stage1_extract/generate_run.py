@@ -53,9 +53,11 @@ class GenerateOptions:
     max_samples: int | None = None
     max_new_tokens: int = 512
     max_length: int = 2048
+    max_turns: int | None = None
     temperature: float = 0.0
     seed: int = 0
     workers: int | None = None
+    workers_per_gpu: int = 1
     batch_tokens: int | None = None
     chunk_size: int | None = None
     overwrite: bool = False
@@ -169,7 +171,7 @@ class GenerateRun:
         log.info("data %s: %d conversations (skipped while loading: %s)", data.source, len(data.conversations),
                  data.skipped or "none")
         settings = GenerateSettings(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, seed=opts.seed,
-                                    max_length=opts.max_length, batch_tokens=1)
+                                    max_length=opts.max_length, max_turns=opts.max_turns, batch_tokens=1)
         identity = {
             "target_source": target.source or "embedded:SmolLM2-135M-Instruct",
             "target_hash": target_content_hash(target.load_path),
@@ -178,7 +180,7 @@ class GenerateRun:
             **settings.identity(),
         }
         self._check_settings(identity, data.source)
-        devices, threads = detect_devices(opts.workers)
+        devices, threads = self._devices()
         on_gpu = devices[0].startswith("cuda")
         batch_tokens = opts.batch_tokens or (262144 if on_gpu else 16384)
         settings = GenerateSettings(**{**settings.identity(), "batch_tokens": batch_tokens})
@@ -210,8 +212,16 @@ class GenerateRun:
             if cut:
                 log.warning("%s: cut off a partial last line (%d bytes) left by an interrupted run", part.name, cut)
 
+    def _devices(self) -> tuple[list[str], int]:
+        """Worker devices: `workers_per_gpu` workers share each GPU (decoding a small target is bound by the
+        host's per-step overhead, not by the GPU, so several processes per GPU multiply throughput)."""
+        devices, threads = detect_devices(self.options.workers)
+        if devices[0].startswith("cuda"):
+            devices = [device for device in devices for _ in range(self.options.workers_per_gpu)]
+        return devices, threads
+
     def _supervise(self, pending: list[tuple[str, Conversation]], config: _WorkerConfig) -> int:
-        devices, _ = detect_devices(self.options.workers)
+        devices, _ = self._devices()
         chunk_size = self.options.chunk_size or (1024 if devices[0].startswith("cuda") else 32)
         chunks = [pending[i:i + chunk_size] for i in range(0, len(pending), chunk_size)]
         devices = devices[: len(chunks)]

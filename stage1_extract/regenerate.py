@@ -5,8 +5,9 @@ answer to the conversation so far (system and user turns are kept, earlier assis
 ones). Conversations advance turn by turn: all conversations waiting for their k-th answer are generated
 together in token-budget batches (left padded, transformers' `generate`), longest prompts first.
 
-A turn that reaches its token limit without an end-of-turn token ends the conversation there: later user turns
-answer the original reply, not this one. A prompt that no longer fits `max_length` ends it too; a conversation
+With `max_turns`, a conversation ends after that many regenerated answers. A turn that reaches its token
+limit without an end-of-turn token ends the conversation there: later user turns answer the original reply, not
+this one. A prompt that no longer fits `max_length` ends it too; a conversation
 whose first prompt does not fit is skipped ("prompt_too_long").
 """
 
@@ -34,11 +35,12 @@ class GenerateSettings:
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0
     max_length: int = 2048  # prompt + answer, in tokens; also bounds the conversation
+    max_turns: int | None = None  # regenerate at most this many assistant turns; the conversation ends there
     batch_tokens: int = 65536  # rows x (longest prompt + max_new_tokens) per generate call
 
     def identity(self) -> dict[str, Any]:
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "seed": self.seed,
-                "max_length": self.max_length}
+                "max_length": self.max_length, "max_turns": self.max_turns}
 
 
 @dataclass
@@ -142,7 +144,7 @@ class ConversationRegenerator:
             state.generated_turns += 1
             state.generated_tokens += count
             tokens += count
-            if reason == FINISH_STOP:
+            if reason == FINISH_STOP and state.generated_turns != self.settings.max_turns:
                 state.advance()
             else:
                 state.done, state.finish_reason = True, reason

@@ -90,6 +90,18 @@ def test_fake_oom_halves_the_batches_and_gives_the_same_answers(smollm2_fp32: tu
     assert squeezed.oom_retries > 0
 
 
+def test_max_turns_ends_a_conversation_after_that_many_answers(smollm2_fp32: tuple[Any, Any, list[int]]) -> None:
+    model, tokenizer, _ = smollm2_fp32
+    everything_stops = list(range(model.config.vocab_size))  # every answer ends at once, with an end-of-turn token
+    multi_turn = [c for c in _conversations(4) if sum(m["role"] == "assistant" for m in c.messages) == 2][0]
+    pairs = [(multi_turn.sample_id, multi_turn)]
+    for max_turns, roles in ((1, ["user", "assistant"]), (None, ["user", "assistant", "user", "assistant"])):
+        settings = GenerateSettings(max_new_tokens=4, max_length=512, max_turns=max_turns)
+        [record] = ConversationRegenerator(model, tokenizer, everything_stops, settings).regenerate(pairs)
+        assert [m["role"] for m in record["messages"]] == roles
+        assert record["dflash"]["generated_turns"] == len(roles) // 2
+
+
 def test_sample_keys_are_unique_where_ids_repeat() -> None:
     conversations = [Conversation(i, name, ()) for i, name in enumerate(["a", "b", "a", "a"])]
     assert sample_keys(conversations) == ["a", "b", "a#1", "a#2"]
