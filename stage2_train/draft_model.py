@@ -97,7 +97,12 @@ class DFlashConfig(Qwen3Config):
 
     @property
     def rope_theta(self) -> float:
-        return float(self.rope_parameters["rope_theta"])
+        # transformers 5.17 reads this while the config is still being built (rope_parameters not set yet):
+        # an AttributeError there means "use the default", any other error breaks every config load.
+        rope = getattr(self, "rope_parameters", None) or {}
+        if "rope_theta" not in rope:
+            raise AttributeError("rope_theta")
+        return float(rope["rope_theta"])
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()

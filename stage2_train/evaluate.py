@@ -14,6 +14,9 @@ tokens/s of the three methods and the speedups over plain decoding. Written to O
 Datasets: ``humaneval`` (164 HumanEval prompts, the prompt as the user message), ``mtbench`` (first turn of the 80
 MT-Bench questions), or a JSONL/JSON file whose records hold ``messages`` / ``conversations`` (role/content or
 ShareGPT from/value; the conversation up to the first assistant turn is the prompt) or a ``prompt`` string.
+``heldout`` takes the held-out split of the training cache of the run the drafter was exported from (the cached
+prompt tokens up to the first response); for it the report adds the offline acceptance length of the same
+sequences over the same number of tokens (`offline_tau_walk`), so live and offline tau can be compared.
 Several may be given, comma-separated.
 """
 
@@ -46,6 +49,7 @@ from stage2_train.speculative import (
 log = get_logger(__name__)
 
 BUILTIN_DATASETS = ("humaneval", "mtbench")
+HELDOUT = "heldout"
 ROLE_MAP = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
             "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant"}
 TIE_ULPS = 4  # a divergence whose two logits differ by at most this many ulps of the target dtype is a tie
@@ -60,6 +64,8 @@ class LosslessnessError(RuntimeError):
 class Prompt:
     id: str
     messages: list[dict[str, str]]
+    ids: list[int] | None = None  # already tokenized (held-out cache samples)
+    cached: dict[str, Any] | None = None  # the held-out sample's cached features/ids/mask, for the offline walk
 
 
 # ---------------------------------------------------------------------------
@@ -149,6 +155,31 @@ def dataset_names(data: str) -> list[str]:
     return names
 
 
+def heldout_prompts(draft_dir: Path, max_samples: int, max_new_tokens: int) -> list[Prompt]:
+    """Held-out samples of the run that exported `draft_dir`: cached prompt ids, and the cached sample cut to the
+    prompt plus `max_new_tokens` response positions (what the live run generates)."""
+    from stage2_train.data import CacheIndex, eval_sequences
+
+    options_file = Path(draft_dir).resolve().parent / "train_options.json"
+    if not options_file.is_file():
+        raise UserError(f"--data {HELDOUT} needs a drafter exported by `dflash train` into RUN/export (no "
+                        f"{options_file}); pass the run's export folder")
+    options = json.loads(options_file.read_text())
+    cache = Path(options["cache"])
+    if not cache.is_dir():
+        raise UserError(f"--data {HELDOUT}: the run's cache {cache} is gone")
+    index = CacheIndex.from_cache(cache, float(options["eval_fraction"]), int(options["seed"]))
+    prompts = []
+    for sample in eval_sequences(index, max_samples):
+        first = int(sample["loss_mask"].nonzero()[0, 0])
+        end = first + max_new_tokens
+        cut = {key: sample[key][:end] for key in ("features", "input_ids", "loss_mask")}
+        prompts.append(Prompt(str(sample["sample_id"]), [], sample["input_ids"][:first].tolist(), cut))
+    if not prompts:
+        raise UserError(f"--data {HELDOUT}: the run holds out no samples (it was trained with --eval-fraction 0)")
+    return prompts
+
+
 def load_prompts(name: str, max_samples: int) -> list[Prompt]:
     """The first ``max_samples`` prompts of a built-in dataset or a JSONL/JSON file."""
     if name.lower() in BUILTIN_DATASETS:
@@ -156,7 +187,7 @@ def load_prompts(name: str, max_samples: int) -> list[Prompt]:
     else:
         path = Path(name).expanduser()
         if not path.is_file():
-            raise UserError(f"unknown dataset {name!r}: use {' or '.join(BUILTIN_DATASETS)}, or a path to a JSONL "
+            raise UserError(f"unknown dataset {name!r}: use {', '.join(BUILTIN_DATASETS)}, {HELDOUT}, or a path to a JSONL "
                             "file with 'messages'/'conversations' or 'prompt' records")
         source = _file_prompts(path)
     prompts: list[Prompt] = []
@@ -293,6 +324,18 @@ def compare_greedy(target: Any, prompt: Prompt, prompt_ids: list[int], reference
 # ---------------------------------------------------------------------------
 
 
+def _offline_walk(draft: Any, embed: torch.Tensor, head: torch.Tensor, prompts: list[Prompt]) -> dict[str, Any]:
+    """Training's offline acceptance walk over the same cached sequences (features of the cache, not live ones)."""
+    from stage2_train.acceptance import offline_acceptance
+
+    dtype = next(draft.parameters()).dtype
+    sequences = [{**p.cached, "features": p.cached["features"].to(dtype)} for p in prompts if p.cached is not None]
+    with torch.no_grad():
+        result = offline_acceptance(draft, embed.to(dtype), head.to(dtype), sequences, max_random_anchors=0)
+    return {"tau_walk": result["tau_walk"], "steps": result["steps"], "sequences": result["sequences"],
+            "acceptance_by_position": result["acceptance_by_position"]}
+
+
 def _rate(results: Sequence[SpecResult]) -> float:
     seconds = sum(r.seconds for r in results)
     return sum(len(r.tokens) for r in results) / seconds if seconds > 0 else math.nan
@@ -360,6 +403,15 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
               "|---|" + "---:|" * (block - 1)]
     for name, d in report["datasets"].items():
         lines.append(f"| {name} | " + " | ".join(_fmt(p) for p in d["acceptance_by_position"]) + " |")
+        if "offline" in d:
+            lines.append(f"| {name} (offline walk) | "
+                         + " | ".join(_fmt(p) for p in d["offline"]["acceptance_by_position"]) + " |")
+    for name, d in report["datasets"].items():
+        if "offline" in d:
+            lines += ["", f"{name}: live tau {_fmt(d['tau'], 3)} vs offline walk tau "
+                      f"{_fmt(d['offline']['tau_walk'], 3)} on the same {d['prompts']} cached sequences "
+                      f"({d['offline']['steps']} offline steps). The offline walk compares drafts with the cached "
+                      "response; live decoding with the target's own greedy continuation."]
     lines += ["", "tau = mean over speculative steps of (accepted drafts + 1). Plain = autoregressive decoding of the "
               "same target with a KV cache; prompt lookup = transformers `prompt_lookup_num_tokens=10`, greedy.", ""]
     path.write_text("\n".join(lines))
@@ -426,7 +478,9 @@ def run_eval(
         raise UserError(f"no exported drafter in {draft_dir} (config.json not found): run `dflash export` or "
                         "pass the export folder")
     names = dataset_names(data)
-    prompts_by_dataset = {name: load_prompts(name, max_samples) for name in names}  # fail early on bad --data
+    prompts_by_dataset = {  # fail early on bad --data
+        name: heldout_prompts(draft_dir, max_samples, max_new_tokens) if name.lower() == HELDOUT
+        else load_prompts(name, max_samples) for name in names}
     info = read_target_info(draft_dir)
     resolved = _resolve_target_source(info, model, draft_dir)
     if device == "auto":
@@ -451,7 +505,8 @@ def run_eval(
                                     temperature=temperature, generator=generator)
 
     # Warm-up (untimed): first calls allocate and pick kernels.
-    first = tokenize_prompt(tokenizer, next(iter(prompts_by_dataset.values()))[0].messages)
+    first_prompt = next(iter(prompts_by_dataset.values()))[0]
+    first = first_prompt.ids or tokenize_prompt(tokenizer, first_prompt.messages)
     dflash(first, 4)
     greedy_generate(target, first, 4, stops)
     prompt_lookup_generate(target, first, 4, stops)
@@ -461,7 +516,7 @@ def run_eval(
         runs: dict[str, list[SpecResult]] = {"dflash": [], "plain": [], "prompt_lookup": []}
         samples: list[dict[str, Any]] = []
         for prompt in prompts:
-            ids = tokenize_prompt(tokenizer, prompt.messages)
+            ids = prompt.ids or tokenize_prompt(tokenizer, prompt.messages)
             spec = dflash(ids, max_new_tokens)
             plain = greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature, generator=generator)
             lookup = prompt_lookup_generate(target, ids, max_new_tokens, stops)
@@ -480,6 +535,8 @@ def run_eval(
                      prompt.id, len(spec.tokens), spec.tau, spec.tokens_per_second, plain.tokens_per_second,
                      lookup.tokens_per_second)
         datasets[name] = _summarise(name, samples, runs, block_size, greedy)
+        if any(prompt.cached is not None for prompt in prompts):
+            datasets[name]["offline"] = _offline_walk(draft, embed, head, prompts)
 
     report = {
         "draft_dir": str(draft_dir),

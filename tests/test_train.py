@@ -109,6 +109,28 @@ def test_train_learns_beats_untrained_and_exports_the_reference_format(train_cac
     assert trained_tau > untrained_tau + 0.3, (trained_tau, untrained_tau)
     assert (run / "training.png").is_file() and list((run / "tensorboard").iterdir())
 
+    # Live speculative decoding on the same held-out sequences, next to the offline walk over them (CLI).
+    result = run_dflash("eval", "--draft", str(export), "--data", "heldout", "--max-samples", "3",
+                        "--max-new-tokens", "24", "--out", str(tmp_path / "eval"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    heldout = json.loads((tmp_path / "eval" / "eval.json").read_text())["datasets"]["heldout"]
+    assert heldout["prompts"] == 3 and heldout["offline"]["sequences"] == 3
+    assert heldout["offline"]["tau_walk"] > untrained_tau + 0.3
+    assert heldout["tau"] > 1.0 and heldout["greedy_identical"] + heldout["tie_divergences"] == 3
+    assert "offline walk tau" in (tmp_path / "eval" / "eval.md").read_text()
+    # Clear refusals at the CLI: a folder without an export, an unknown dataset, a target of another size.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = tmp_path / "other-target"
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=30,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(other)
+    for args, message in ((["--draft", str(tmp_path)], "no exported drafter"),
+                          (["--draft", str(export), "--data", "nope"], "unknown dataset"),
+                          (["--draft", str(export), "--model", str(other)], "hidden size 576 != the target's 64")):
+        refused = run_dflash("eval", *args, "--out", str(tmp_path / "e2"), "--max-samples", "1")
+        assert refused.returncode == 2 and message in refused.stderr and "Traceback" not in refused.stderr, (
+            args, refused.stderr[-2000:])
+
 
 def test_two_processes_give_the_same_update_as_one_with_accumulation(train_cache: Path, tmp_path: Path) -> None:
     runs = {}
