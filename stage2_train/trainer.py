@@ -151,12 +151,12 @@ class Trainer:
         self.weights = self.weights.to(self.device)
         self.index = CacheIndex.from_cache(self.cache, options.eval_fraction, options.seed)
         self.pad_multiple = 128 if self.device.type == "cuda" else 16
-        steps_per_epoch = len(self._plan(0)) // (self.world * options.grad_accum)
-        if steps_per_epoch == 0:
+        # Each epoch packs a new shuffle into token-budget micro-batches, so epochs differ in step count.
+        self.steps_per_epoch = self._steps_in_epoch(0)
+        if self.steps_per_epoch == 0:
             raise UserError(f"the cache holds too few training samples for one step of {self.world} x "
                             f"{options.grad_accum} micro-batches of {options.batch_tokens} tokens")
-        self.steps_per_epoch = steps_per_epoch
-        self.total_steps = options.max_steps or options.epochs * steps_per_epoch
+        self.total_steps = options.max_steps or sum(self._steps_in_epoch(e) for e in range(options.epochs))
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=options.lr, betas=(0.9, 0.95),
                                       weight_decay=options.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(self.total_steps, options.warmup))
@@ -188,6 +188,9 @@ class Trainer:
     def _plan(self, epoch: int) -> list[Any]:
         return plan_epoch(self.index, epoch, self.options.seed, self.options.batch_tokens, self.world,
                           self.pad_multiple)
+
+    def _steps_in_epoch(self, epoch: int) -> int:
+        return len(self._plan(epoch)) // (self.world * self.options.grad_accum)
 
     def _loader(self, epoch: int, position: int) -> Any:
         plan = self._plan(epoch)
@@ -255,15 +258,17 @@ class Trainer:
                 self.accelerator.load_state(str(latest))
                 log.info("resumed from %s (step %d, epoch %d, micro-batch %d)", latest, self.state.step,
                          self.state.epoch, self.state.position)
-        log.info("training %d steps (%d per epoch) on %d process(es), %s, %d train / %d eval samples; mask token %d",
+        log.info("training %d steps (~%d per epoch) on %d process(es), %s, %d train / %d eval samples; mask token %d",
                  self.total_steps, self.steps_per_epoch, self.world, self.device, len(self.index.train),
                  len(self.index.eval), self.mask_token_id)
+        if self.state.step == 0 and options.eval_every:
+            self.evaluate()  # the untrained drafter: the baseline every later acceptance figure is compared with
         started = time.time()
         window_tokens, window_start = 0, time.time()
         per_step = self.world * options.grad_accum
         while self.state.step < self.total_steps:
             loader = iter(self._loader(self.state.epoch, self.state.position))
-            local_steps_left = self.steps_per_epoch - self.state.position // options.grad_accum
+            local_steps_left = self._steps_in_epoch(self.state.epoch) - self.state.position // options.grad_accum
             for _ in range(local_steps_left):
                 if self.state.step >= self.total_steps:
                     break
@@ -295,7 +300,8 @@ class Trainer:
                 correct = self.accelerator.reduce(correct, reduction="sum")
                 counted = self.accelerator.reduce(counted, reduction="sum")
                 window_tokens += tokens * self.world
-                record = {"step": self.state.step, "loss": float(global_loss), "lr": self.scheduler.get_last_lr()[0],
+                record = {"step": self.state.step, "elapsed_s": round(time.time() - started, 3),
+                          "loss": float(global_loss), "lr": self.scheduler.get_last_lr()[0],
                           "accuracy": float(correct[1:].sum() / counted[1:].sum().clamp(min=1))}
                 if self.state.step % options.log_every == 0 or self.state.step == self.total_steps:
                     elapsed = time.time() - window_start

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from shared import cache_format as cf
 from shared.errors import UserError
 from stage2_train.acceptance import offline_acceptance
-from stage2_train.data import CacheIndex, eval_sequences
+from stage2_train.data import CacheIndex, eval_sequences, plan_epoch
 from stage2_train.draft_model import DFlashConfig, DFlashDraftModel
 from stage2_train.export import load_draft
 from stage2_train.target_parts import load_target_parts, resolve_mask_token
@@ -166,6 +166,25 @@ def test_killed_training_resumes_to_the_same_loss_curve(train_cache: Path, tmp_p
     assert "resumed from" in resumed.stderr
     assert _final_losses(killed) == _final_losses(straight)
     assert len(_final_losses(killed)) == 8
+
+
+def test_epochs_of_different_step_counts_train_to_the_end(tmp_path: Path) -> None:
+    # Each epoch packs a new shuffle (in windows of 64 samples) into micro-batches, so a later epoch can hold
+    # fewer micro-batches than the first one. It needs more samples than one window: a cache of 100.
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(100)))
+    cache = tmp_path / "cache"
+    run_dflash("extract", "--data", str(data), "--out", str(cache), "--max-length", "160", "--workers", "1",
+               check=True)
+    index = CacheIndex.from_cache(cache, 0.05, 0)
+    budget, counts = next((b, c) for b in range(128, 2048, 16)
+                          if (c := [len(plan_epoch(index, e, 0, b, 1, 16)) for e in range(3)])[1] < c[0])
+    result = run_dflash("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--epochs", "3",
+                        "--batch-tokens", str(budget), "--max-anchors", "2", "--draft-layers", "1",
+                        "--eval-every", "0", "--checkpoint-every", "0", "--num-workers", "0",
+                        "--eval-fraction", "0.05", "--eval-sequences", "1", "--mixed-precision", "no")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(_final_losses(tmp_path / "run")) == list(range(1, sum(counts) + 1))
 
 
 def test_train_refuses_a_damaged_cache_naming_the_shard(train_cache: Path, tmp_path: Path) -> None:
