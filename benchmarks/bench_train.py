@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--workers", type=int, default=6)
+    parser.add_argument("--attention", default="auto", help="auto (flex on CUDA), flex, sdpa or eager")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -116,7 +117,7 @@ def main() -> None:
     print(f"cache built in {time.time() - started:.1f} s", flush=True)
     options = TrainOptions(cache=work / "cache", out=work / "run", max_steps=10**6, mask_token_id=151669 % target[
         "vocab_size"], batch_tokens=args.batch * args.length, eval_fraction=0.0, eval_every=0, checkpoint_every=0,
-        num_workers=args.workers, mixed_precision="bf16" if torch.cuda.is_available() else "no")
+        num_workers=args.workers, attention=args.attention, mixed_precision="bf16" if torch.cuda.is_available() else "no")
     trainer = Trainer(options)
     device = trainer.device
     params = sum(p.numel() for p in trainer.model.parameters())
@@ -158,13 +159,13 @@ def main() -> None:
         print(name, json.dumps(results[name]), flush=True)
     summary = {"benchmark": "train", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "trainable_params": params,
-               "length": args.length, "batch": args.batch, "anchors": 512, "block_size": 16,
+               "attention": args.attention, "length": args.length, "batch": args.batch, "anchors": 512, "block_size": 16,
                "loader_workers": args.workers, "results": results,
                "loader_overhead": results["loader"]["step_s"] / results["memory"]["step_s"] - 1,
                "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None}
     print(json.dumps(summary, indent=2))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"train_{'tiny' if args.tiny else 'qwen3-8b'}_{device.type}.json").write_text(
+    (args.out / f"train_{'tiny' if args.tiny else 'qwen3-8b'}_{args.attention}_{device.type}.json").write_text(
         json.dumps(summary, indent=2) + "\n")
 
 
