@@ -21,6 +21,10 @@ def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
+    if num_draft_layers > end - start + 1:
+        raise UserError(f"--draft-layers {num_draft_layers}: the default choice spreads the captured layers over "
+                        f"target layers {start}..{end}, so at most {max(1, end - start + 1)} for this "
+                        f"{num_target_layers}-layer target; pass fewer, or name them with --target-layers")
     return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 

@@ -19,6 +19,17 @@ def _layer_list(_ctx: click.Context, _param: click.Parameter, value: str | None)
         raise click.BadParameter(f"expected comma-separated layer numbers such as 1,8,14,20,27, got '{value}'") from error
 
 
+def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    from stage1_extract.supervisor import parse_shard_spec
+
+    if value is not None:
+        try:
+            parse_shard_spec(value)
+        except ValueError as error:
+            raise click.BadParameter(str(error)) from error
+    return value
+
+
 @click.command("extract")
 @click.option("--model", default=None, metavar="ID|DIR|FILE.gguf",
               help="Target model: a Hugging Face id (from the local HF cache), a local transformers folder or a .gguf "
@@ -41,9 +52,9 @@ def _layer_list(_ctx: click.Context, _param: click.Parameter, value: str | None)
               help="Capture exactly these target layers (0-based decoder layer indices) instead.")
 @click.option("--shards", type=click.IntRange(min=1), default=None,
               help="Split the data into N shards, one Zarr store each. Default: one per device (kept on reruns).")
-@click.option("--only-shards", default=None, metavar="3,5-7",
+@click.option("--only-shards", callback=_shard_spec, default=None, metavar="3,5-7",
               help="Extract only these shards, so several machines can fill one cache directory.")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
+@click.option("--workers", type=click.IntRange(1, 1024), default=None,
               help="Worker processes. Default: one per GPU; 1 on a CPU-only machine (cores are split between them).")
 @click.option("--batch-tokens", type=click.IntRange(min=16), default=None,
               help="Padded tokens per forward batch. Default 32768 on GPU, 4096 on CPU; halved automatically on OOM.")
@@ -91,7 +102,7 @@ def extract_command(**kwargs: object) -> None:
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="0 = greedy (what greedy speculative decoding will verify); > 0 samples with this temperature.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (with --temperature > 0).")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
+@click.option("--workers", type=click.IntRange(1, 1024), default=None,
               help="Worker processes. Default: one per GPU; 1 on a CPU-only machine.")
 @click.option("--workers-per-gpu", type=click.IntRange(min=1), default=1, show_default=True,
               help="Worker processes sharing each GPU: for small targets, whose decoding is bound by per-step host "

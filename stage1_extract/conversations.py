@@ -18,6 +18,7 @@ import hashlib
 import inspect
 import json
 import re
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,7 +195,7 @@ def _iter_file(path: Path, display: str, notes: list[str]) -> Iterator[tuple[str
 def _read_text(path: Path, display: str) -> str:
     try:
         raw = gzip.decompress(path.read_bytes()) if path.name.lower().endswith(".gz") else path.read_bytes()
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+    except (OSError, EOFError, zlib.error) as exc:  # zlib.error: a corrupt gzip stream
         raise DataError(f"{display}: cannot read ({exc}); check the file is complete and not corrupt") from exc
     try:
         return raw.decode("utf-8-sig")
@@ -211,10 +212,33 @@ def _iter_jsonl(path: Path, display: str) -> Iterator[tuple[str, Any]]:
             for line_number, line in enumerate(handle, start=1):
                 if line.strip():
                     yield f"{display}:{line_number}", _parse_json_line(line, display, line_number)
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        line = _first_non_utf8_line(path, opener) or line_number + 1
+        raise DataError(f"{display}:{line}: not valid UTF-8 ({exc.reason}); re-save the file as UTF-8") from exc
+    except (OSError, EOFError, zlib.error) as exc:  # zlib.error: a corrupt gzip stream
         raise DataError(
             f"{display}:{line_number + 1}: cannot read ({exc}); check the file is complete, not corrupt and UTF-8"
         ) from exc
+
+
+def _first_non_utf8_line(path: Path, opener: Any) -> int | None:
+    """Number of the first line that is not UTF-8 (lines counted as the text reader counts them).
+
+    The text reader decodes whole blocks ahead of the lines it returns, so its position cannot say.
+    """
+    number = 0
+    try:
+        with opener(path, "rb") as handle:
+            for raw in handle:
+                for part in raw.splitlines() or [b""]:  # bytes.splitlines: \n, \r\n and \r, as the text reader
+                    number += 1
+                    try:
+                        part.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return number
+    except (OSError, EOFError, zlib.error):
+        return None
+    return None
 
 
 def _parse_json_line(line: str, display: str, line_number: int) -> Any:
@@ -226,6 +250,17 @@ def _parse_json_line(line: str, display: str, line_number: int) -> Any:
             f"{display}:{line_number}: malformed JSON line{hint} ({exc.msg} at column {exc.colno}); "
             "fix or delete that line (JSON Lines needs one complete JSON object per line)"
         ) from exc
+    except (ValueError, RecursionError) as exc:
+        raise DataError(
+            f"{display}:{line_number}: unreadable JSON line ({_json_limit(exc)}); fix or delete that line"
+        ) from exc
+
+
+def _json_limit(exc: Exception) -> str:
+    """The json module's errors without a position: a number over Python's digit limit, or too deep nesting."""
+    if isinstance(exc, RecursionError):
+        return "values nested too deeply"
+    return str(exc).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string conversion: ..."
 
 
 def _iter_json(path: Path, display: str, notes: list[str]) -> Iterator[tuple[str, Any]]:
@@ -265,6 +300,9 @@ def _iter_json_array(text: str, pos: int, display: str, notes: list[str]) -> Ite
             raise DataError(
                 f"{display}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno}); fix the file there"
             ) from exc
+        except (ValueError, RecursionError) as exc:
+            lineno = text.count("\n", 0, pos) + 1
+            raise DataError(f"{display}:{lineno}: unreadable JSON ({_json_limit(exc)}); fix the file there") from exc
         line += text.count("\n", counted, pos)
         counted = pos
         yield f"{display}:{line}", element
@@ -293,6 +331,9 @@ def _decode_value(text: str, pos: int, display: str) -> tuple[Any, int]:
         raise DataError(
             f"{display}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno}); fix the file there"
         ) from exc
+    except (ValueError, RecursionError) as exc:
+        lineno = text.count("\n", 0, pos) + 1
+        raise DataError(f"{display}:{lineno}: unreadable JSON ({_json_limit(exc)}); fix the file there") from exc
 
 
 def _require_end(text: str, pos: int, display: str) -> None:
@@ -354,6 +395,8 @@ def _normalise_turns(turns: Any) -> tuple[dict[str, str], ...] | str:
         content = turn.get("content") if turn.get("content") is not None else turn.get("value")
         if not isinstance(role, str) or not isinstance(content, str):
             return "malformed"
+        if not _is_unicode(content):
+            return "invalid_unicode"
         mapped = ROLE_MAP.get(role.strip().lower())
         if mapped is None:
             return "bad_role"
@@ -361,6 +404,22 @@ def _normalise_turns(turns: Any) -> tuple[dict[str, str], ...] | str:
     if not any(message["role"] == "assistant" for message in messages):
         return "no_assistant_turn"
     return tuple(messages)
+
+
+def _is_unicode(text: str) -> bool:
+    """False for text holding lone surrogates (JSON allows "\\ud800"): tokenizers and zarr cannot encode it."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(text: str) -> str:
+    """`text` with lone surrogates (e.g. from a file name that is not UTF-8) written as \\udcff escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _record_id(record: Mapping[str, Any]) -> str | None:
@@ -420,7 +479,8 @@ def load_conversations(
         if not isinstance(record, dict):
             skip("malformed", location)
             continue
-        name = _record_id(record) or location
+        record_id = _record_id(record)
+        name = _printable(record_id or location)
         key = _column_for(record, column)
         if key is None:
             if len(columns_seen) < 100:
@@ -428,16 +488,19 @@ def load_conversations(
             skip("missing_column", name)
             continue
         matched += 1
+        if record_id is not None and not _is_unicode(record_id):
+            skip("invalid_unicode", name)
+            continue
         messages = _normalise_turns(record[key])
         if isinstance(messages, str):
             skip(messages, name)
             continue
         index = len(conversations)
-        conversations.append(Conversation(index, _record_id(record) or f"{source.name}:{index}", messages))
+        conversations.append(Conversation(index, record_id or f"{_printable(source.name)}:{index}", messages))
         if max_samples is not None and len(conversations) == max_samples:
             break
 
-    description = "; ".join([source.description, *source.notes])
+    description = _printable("; ".join([source.description, *source.notes]))
     _check_usable(description, records, matched, column, columns_seen, conversations, skipped)
     return LoadedConversations(conversations, skipped, examples, _fingerprint(conversations), description)
 

@@ -32,7 +32,15 @@ from shared.logs import get_logger, setup_logging
 from shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids, target_content_hash
 from stage1_extract.conversations import Conversation, load_conversations, template_fingerprint
 from stage1_extract.regenerate import ConversationRegenerator, GenerateSettings
-from stage1_extract.supervisor import EXIT_FAILED, EXIT_OK, ExtractRefused, Progress, detect_devices, stop_processes
+from stage1_extract.supervisor import (
+    EXIT_FAILED,
+    EXIT_OK,
+    ExtractRefused,
+    Progress,
+    detect_devices,
+    failure_summary,
+    stop_processes,
+)
 from stage1_extract.worker import die_with_parent
 
 log = get_logger(__name__)
@@ -282,9 +290,9 @@ class GenerateRun:
                 break
         progress.close()
         if failed_text is not None:
-            print(f"dflash generate: FAILED. {failed_text}\nfinished conversations are kept: rerun the same command "
-                  "to resume", file=sys.stderr)
-            log.error("run failed: %s", failed_text)
+            log.debug("run failed: %s", failed_text)  # the worker's traceback: the log file (console with -v)
+            log.error("FAILED. %s (traceback in %s); finished conversations are kept: rerun the same command to "
+                      "resume", failure_summary(failed_text), self.log_file)
             self._write_run_status("failed", {"error": failed_text.splitlines()[0]})
             return EXIT_FAILED
         self._write_run_status("done", progress.snapshot())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import re
 import shutil
 import signal
 import sys
@@ -63,25 +64,47 @@ class ExtractOptions:
     verbose: bool = False
 
 
-def parse_shard_ranges(text: str, num_shards: int) -> list[int]:
-    """'3,5-7' -> [3, 5, 6, 7], checked against the number of shards."""
+MAX_SHARDS = 100_000
+
+
+def parse_shard_spec(text: str) -> list[int]:
+    """'3,5-7' -> [3, 5, 6, 7]; ValueError (the message says what is wrong) for anything else or no shard."""
     chosen: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
+    for part in (p.strip() for p in text.split(",")):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
         if not part:
             continue
-        try:
-            if "-" in part:
-                low, high = (int(x) for x in part.split("-", 1))
-                chosen.update(range(low, high + 1))
-            else:
-                chosen.add(int(part))
-        except ValueError as error:
-            raise ExtractRefused(f"--only-shards: cannot read '{part}' (use e.g. 3,5-7)") from error
+        if match is None:
+            raise ValueError(f"cannot read '{part}' (use e.g. 3,5-7)")
+        low, high = int(match[1]), int(match[2] or match[1])
+        if high < low:
+            raise ValueError(f"'{part}' is an empty range (write the lower shard first, e.g. {high}-{low})")
+        if high >= MAX_SHARDS:
+            raise ValueError(f"'{part}': shard numbers are below {MAX_SHARDS}")
+        chosen.update(range(low, high + 1))
+    if not chosen:
+        raise ValueError(f"'{text}' selects no shard (use e.g. 3,5-7)")
+    return sorted(chosen)
+
+
+def parse_shard_ranges(text: str, num_shards: int) -> list[int]:
+    """'3,5-7' -> [3, 5, 6, 7], checked against the number of shards."""
+    try:
+        chosen = parse_shard_spec(text)
+    except ValueError as error:
+        raise ExtractRefused(f"--only-shards: {error}") from error
     bad = sorted(i for i in chosen if not 0 <= i < num_shards)
     if bad:
         raise ExtractRefused(f"--only-shards: shards {bad} do not exist (the cache has shards 0..{num_shards - 1})")
-    return sorted(chosen)
+    return chosen
+
+
+def failure_summary(failed_text: str) -> str:
+    """First line (who failed) + the exception line + any advice: the traceback itself stays in the log."""
+    lines = [line for line in failed_text.splitlines() if line.strip()]
+    head, advice = lines[0], [line for line in lines if line.startswith("the disk is full")]
+    exception = next((line for line in reversed(lines) if not line.startswith(("the disk is full", " "))), "")
+    return "; ".join([head, exception, *advice]) if exception != head else "; ".join([head, *advice])
 
 
 def split_into_shards(num_items: int, num_shards: int) -> list[range]:
@@ -326,8 +349,8 @@ class Supervisor:
                 break
         progress.close()
         if failed_text is not None:
-            print(f"dflash extract: FAILED. {failed_text}", file=sys.stderr)
-            log.error("run failed: %s", failed_text)
+            log.debug("run failed: %s", failed_text)  # the worker's traceback: the log file (console with -v)
+            log.error("FAILED. %s (traceback in %s)", failure_summary(failed_text), self.log_file)
             self._stop_workers()
             self._reset_running_shards(sorted(remaining), cf.SHARD_PENDING)
             self._write_run_status("failed", {"error": failed_text.splitlines()[0]})
