@@ -4,12 +4,17 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WORK ?= work
-# Size of the `make all` run (see README: "Sizing make all").
-SAMPLES ?= 100
-MAX_LENGTH ?= 512
-WORKERS ?= 2
+# Size of the `make all` run (README "Sizing make all"): ShareGPT conversations whose first answer SmolLM2
+# regenerates, the longest conversation and answer in tokens, worker processes (2 on a CPU-only machine; empty =
+# one per GPU where nvidia-smi exists), the drafter's training flags, and the evaluation size.
+GEN_SAMPLES ?= 200
+MAX_LENGTH ?= 448
+NEW_TOKENS ?= 128
+WORKERS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,2)
+TRAIN_FLAGS ?= --epochs 4 --draft-layers 1 --max-anchors 16 --batch-tokens 2048 --lr 3e-3 --eval-every 40 \
+	--eval-sequences 8 --checkpoint-every 100
 EVAL_SAMPLES ?= 4
-TRAIN_FLAGS ?= --epochs 3 --draft-layers 2 --max-anchors 32 --batch-tokens 2048 --eval-every 25 --eval-sequences 8
+EVAL_TOKENS ?= 48
 
 .PHONY: install test test-all all bench bench-gpu reliability clean
 
@@ -38,11 +43,15 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 all: $(STAMP)
-	$(BIN)/dflash extract --out $(WORK)/cache --max-samples $(SAMPLES) --max-length $(MAX_LENGTH) --workers $(WORKERS)
+	$(BIN)/dflash generate --out $(WORK)/generated --max-samples $(GEN_SAMPLES) --max-length $(MAX_LENGTH) \
+		--max-new-tokens $(NEW_TOKENS) --max-turns 1 $(if $(WORKERS),--workers $(WORKERS))
+	$(BIN)/dflash extract --data $(WORK)/generated/conversations.jsonl --out $(WORK)/cache \
+		--max-length $(MAX_LENGTH) $(if $(WORKERS),--workers $(WORKERS))
 	$(BIN)/dflash inspect --cache $(WORK)/cache --verify
 	$(BIN)/dflash train --cache $(WORK)/cache --out $(WORK)/run $(TRAIN_FLAGS)
-	$(BIN)/dflash eval --draft $(WORK)/run/export --data mtbench,humaneval --max-samples $(EVAL_SAMPLES) \
-		--max-new-tokens 64 --out $(WORK)/eval
+	$(BIN)/dflash eval --draft $(WORK)/run/export --data mtbench,humaneval,heldout --max-samples $(EVAL_SAMPLES) \
+		--max-new-tokens $(EVAL_TOKENS) --out $(WORK)/eval
+	@cat $(WORK)/eval/eval.md
 
 # CPU figures (SmolLM2 over ShareGPT); results in benchmarks/results/*.json and the README.
 bench: $(STAMP)

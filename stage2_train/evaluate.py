@@ -336,6 +336,27 @@ def _offline_walk(draft: Any, embed: torch.Tensor, head: torch.Tensor, prompts: 
             "acceptance_by_position": result["acceptance_by_position"]}
 
 
+def training_acceptance(draft_dir: Path) -> dict[str, Any] | None:
+    """Held-out offline tau of the run that made this export: untrained (step 0) and last (RUN/metrics.jsonl)."""
+    path = Path(draft_dir).resolve().parent / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    evals = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "eval/tau_walk" in record:
+            evals.append(record)
+    if not evals:
+        return None
+    untrained = next((r for r in evals if r["step"] == 0), None)
+    return {"untrained_tau_walk": untrained["eval/tau_walk"] if untrained else None,
+            "trained_tau_walk": evals[-1]["eval/tau_walk"], "trained_step": evals[-1]["step"],
+            "metrics": str(path)}
+
+
 def _rate(results: Sequence[SpecResult]) -> float:
     seconds = sum(r.seconds for r in results)
     return sum(len(r.tokens) for r in results) / seconds if seconds > 0 else math.nan
@@ -412,6 +433,13 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
                       f"{_fmt(d['offline']['tau_walk'], 3)} on the same {d['prompts']} cached sequences "
                       f"({d['offline']['steps']} offline steps). The offline walk compares drafts with the cached "
                       "response; live decoding with the target's own greedy continuation."]
+    training = report.get("training")
+    if training:
+        untrained = training["untrained_tau_walk"]
+        lines += ["", f"Training run (held-out split, offline walk): tau {_fmt(training['trained_tau_walk'], 3)} after "
+                  f"{training['trained_step']} steps"
+                  + (f" vs {_fmt(untrained, 3)} for the untrained drafter (step 0)." if untrained is not None
+                     else " (no step-0 evaluation in this run).")]
     lines += ["", "tau = mean over speculative steps of (accepted drafts + 1). Plain = autoregressive decoding of the "
               "same target with a KV cache; prompt lookup = transformers `prompt_lookup_num_tokens=10`, greedy.", ""]
     path.write_text("\n".join(lines))
@@ -555,6 +583,9 @@ def run_eval(
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "datasets": datasets,
     }
+    training = training_acceptance(draft_dir)
+    if training:
+        report["training"] = training
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".eval.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(_json_safe(report), indent=2) + "\n")

@@ -118,6 +118,8 @@ def test_train_learns_beats_untrained_and_exports_the_reference_format(train_cac
     assert heldout["offline"]["tau_walk"] > untrained_tau + 0.3
     assert heldout["tau"] > 1.0 and heldout["greedy_identical"] + heldout["tie_divergences"] == 3
     assert "offline walk tau" in (tmp_path / "eval" / "eval.md").read_text()
+    training = json.loads((tmp_path / "eval" / "eval.json").read_text())["training"]
+    assert training["trained_tau_walk"] == trained_tau and training["untrained_tau_walk"] is None  # --eval-every 0
     # Clear refusals at the CLI: a folder without an export, an unknown dataset, a target of another size.
     from transformers import LlamaConfig, LlamaForCausalLM
 
