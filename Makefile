@@ -11,7 +11,7 @@ GEN_SAMPLES ?= 200
 MAX_LENGTH ?= 448
 NEW_TOKENS ?= 128
 WORKERS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,2)
-TRAIN_FLAGS ?= --epochs 4 --draft-layers 1 --max-anchors 16 --batch-tokens 2048 --lr 3e-3 --eval-every 40 \
+TRAIN_FLAGS ?= --epochs 24 --draft-layers 1 --max-anchors 16 --batch-tokens 2048 --lr 3e-3 --eval-every 100 \
 	--eval-sequences 8 --checkpoint-every 100
 EVAL_SAMPLES ?= 4
 EVAL_TOKENS ?= 48
