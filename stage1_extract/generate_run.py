@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import signal
 import sys
@@ -40,6 +39,7 @@ from stage1_extract.supervisor import (
     detect_devices,
     failure_summary,
     stop_processes,
+    wait_for_event,
 )
 from stage1_extract.worker import die_with_parent
 
@@ -268,19 +268,14 @@ class GenerateRun:
         progress = Progress(total, desc="generate")
         failed_text = None
         while chunks:
-            try:
-                kind, worker_id, *payload = events.get(timeout=0.5)
-            except queue.Empty:
-                dead = [p for p in self.processes if p.exitcode not in (None, 0)]
-                if dead:
-                    failed_text = f"worker {dead[0].name} died with exit code {dead[0].exitcode} (see {self.log_file})"
-                    break
-                if all(p.exitcode is not None for p in self.processes):
-                    failed_text = f"all workers exited with {chunks} chunk(s) unfinished"
-                    break
+            event, failed_text = wait_for_event(events, self.processes, self.log_file, f"{chunks} chunk(s)")
+            if failed_text is not None:
+                break
+            if event is None:
                 self._write_run_status("running", progress.snapshot())
                 progress.tick()
                 continue
+            kind, worker_id, *payload = event
             if kind == "progress":
                 progress.add(payload[0], payload[1])
             elif kind == "chunk_done":

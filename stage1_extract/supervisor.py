@@ -107,6 +107,20 @@ def failure_summary(failed_text: str) -> str:
     return "; ".join([head, exception, *advice]) if exception != head else "; ".join([head, *advice])
 
 
+def wait_for_event(events: Any, processes: list[Any], log_file: Path, unfinished: str) -> tuple[Any, str | None]:
+    """(the next worker event or None after 0.5 s of quiet, None) - or (None, why the run failed) when a worker
+    died or every worker exited with `unfinished` work left."""
+    try:
+        return events.get(timeout=0.5), None
+    except queue.Empty:
+        dead = [p for p in processes if p.exitcode not in (None, 0)]
+        if dead:
+            return None, f"worker {dead[0].name} died with exit code {dead[0].exitcode} (see {log_file})"
+        if all(p.exitcode is not None for p in processes):
+            return None, f"all workers exited with {unfinished} unfinished"
+        return None, None
+
+
 def split_into_shards(num_items: int, num_shards: int) -> list[range]:
     """Contiguous, deterministic ranges of dataset positions; sizes differ by at most one."""
     return [range(num_items * k // num_shards, num_items * (k + 1) // num_shards) for k in range(num_shards)]
@@ -315,19 +329,14 @@ class Supervisor:
         failed_text = None
         worker_shards: dict[int, int] = {}
         while remaining:
-            try:
-                kind, worker_id, shard, *payload = events.get(timeout=0.5)
-            except queue.Empty:
-                dead = [p for p in self.processes if p.exitcode not in (None, 0)]
-                if dead:
-                    failed_text = f"worker {dead[0].name} died with exit code {dead[0].exitcode} (see {self.log_file})"
-                    break
-                if all(p.exitcode is not None for p in self.processes):
-                    failed_text = f"all workers exited with shards {sorted(remaining)} unfinished"
-                    break
+            event, failed_text = wait_for_event(events, self.processes, self.log_file, f"shards {sorted(remaining)}")
+            if failed_text is not None:
+                break
+            if event is None:
                 self._write_run_status("running", progress.snapshot())
                 progress.tick()
                 continue
+            kind, worker_id, shard, *payload = event
             if kind == "progress":
                 if worker_shards.get(worker_id) != shard:
                     worker_shards[worker_id] = shard

@@ -179,7 +179,7 @@ def test_epochs_of_different_step_counts_train_to_the_end(tmp_path: Path) -> Non
     run_dflash("extract", "--data", str(data), "--out", str(cache), "--max-length", "160", "--workers", "1",
                check=True)
     index = CacheIndex.from_cache(cache, 0.05, 0)
-    budget, counts = next((b, c) for b in range(128, 2048, 16)
+    budget, counts = next((b, c) for b in range(2048, 128, -16)
                           if (c := [len(plan_epoch(index, e, 0, b, 1, 16)) for e in range(3)])[1] < c[0])
     result = run_dflash("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--epochs", "3",
                         "--batch-tokens", str(budget), "--max-anchors", "2", "--draft-layers", "1",
