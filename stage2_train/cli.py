@@ -87,7 +87,8 @@ def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> 
 @click.option("--draft", "draft_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="Exported drafter folder (RUN/export).")
 @click.option("--data", default="mtbench,humaneval", show_default=True,
-              help="humaneval, mtbench, a JSONL/JSON file of conversations, or a comma-separated list of these.")
+              help="humaneval, mtbench, heldout (the training run's held-out cache split, also walked offline), "
+                   "a JSONL/JSON file of conversations, or a comma-separated list of these.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("dflash_eval"), show_default=True,
               help="Where eval.json, eval.md and eval.png go.")
 @click.option("--max-samples", type=click.IntRange(min=1), default=20, show_default=True)
