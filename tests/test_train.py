@@ -145,8 +145,10 @@ def test_two_processes_give_the_same_update_as_one_with_accumulation(train_cache
         assert result.returncode == 0, result.stderr[-3000:]
     weights = [load_file(str(sorted((runs[n] / "checkpoints").glob("step-*"))[-1] / "model.safetensors"))
                for n in ("ddp2", "single")]
+    # Equal up to float summation order (all-reduce vs accumulation): ~1e-6 after two Adam steps of lr 6e-4,
+    # while a wrong loss normalisation or a missed micro-batch moves weights by the order of lr.
     for key in weights[0]:
-        torch.testing.assert_close(weights[0][key], weights[1][key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(weights[0][key], weights[1][key], rtol=1e-4, atol=1e-5, msg=key)
     assert _final_losses(runs["ddp2"]) == pytest.approx(_final_losses(runs["single"]), rel=1e-5)
 
 
