@@ -167,6 +167,8 @@ class Trainer:
         self.accelerator.register_for_checkpointing(self.scheduler)
         if options.compile:
             self.model = torch.compile(self.model)
+        if options.resume:
+            self._check_resumable()
         self.state = TrainState()
         self.accelerator.register_for_checkpointing(self.state)
         self.tensorboard = None
@@ -180,6 +182,21 @@ class Trainer:
             cf.write_json_atomic(self.out / CACHE_MANIFEST_FILE, self.manifest)
 
     # ------------------------------------------------------------------------------------------ helpers
+
+    def _check_resumable(self) -> None:
+        """--resume into a run whose drafter has other sizes (another target's cache, other flags): refuse clearly
+        instead of failing deep inside load_state with a tensor-shape error."""
+        path = self.out / DRAFT_CONFIG_FILE
+        if not path.is_file():
+            return
+        before, now = json.loads(path.read_text()), self.config.to_dict()
+        keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "num_hidden_layers", "vocab_size", "block_size", "num_target_layers", "dflash_config", "layer_types")
+        differences = [f"{key}: the run has {before.get(key)!r}, this cache and these flags give {now.get(key)!r}"
+                       for key in keys if before.get(key) != now.get(key)]
+        if differences:
+            raise UserError(f"--resume: the drafter in {self.out} does not match:\n  " + "\n  ".join(differences)
+                            + "\nresume with the cache and flags the run was started with, or train into a new --out")
 
     def _previous_config(self) -> dict[str, Any]:
         path = self.out / EXPORT_DIR / "config.json"

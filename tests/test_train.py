@@ -191,6 +191,18 @@ def test_epochs_of_different_step_counts_train_to_the_end(tmp_path: Path) -> Non
     assert sorted(_final_losses(tmp_path / "run")) == list(range(1, sum(counts) + 1))
 
 
+def test_resume_into_a_run_of_another_drafter_is_refused(train_cache: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = ("--max-steps", "1", "--eval-every", "0", "--checkpoint-every", "1", *TRAIN_ARGS)
+    assert run_dflash("train", "--cache", str(train_cache), "--out", str(run), *args).returncode == 0
+    refused = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--resume", *args,
+                         "--block-size", "8")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "block_size: the run has 16, this cache and these flags give 8" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert json.loads((run / "draft_config.json").read_text())["block_size"] == 16  # the run is left as it was
+
+
 def test_train_refuses_a_damaged_cache_naming_the_shard(train_cache: Path, tmp_path: Path) -> None:
     import shutil
 
