@@ -256,6 +256,12 @@ def _parse_json_line(line: str, display: str, line_number: int) -> Any:
         ) from exc
 
 
+def _unreadable_json(text: str, pos: int, display: str, exc: Exception) -> DataError:
+    """The error for a JSON value at `pos` that the json module refuses without a position (see _json_limit)."""
+    return DataError(f"{display}:{text.count(chr(10), 0, pos) + 1}: unreadable JSON ({_json_limit(exc)}); "
+                     "fix the file there")
+
+
 def _json_limit(exc: Exception) -> str:
     """The json module's errors without a position: a number over Python's digit limit, or too deep nesting."""
     if isinstance(exc, RecursionError):
@@ -301,8 +307,7 @@ def _iter_json_array(text: str, pos: int, display: str, notes: list[str]) -> Ite
                 f"{display}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno}); fix the file there"
             ) from exc
         except (ValueError, RecursionError) as exc:
-            lineno = text.count("\n", 0, pos) + 1
-            raise DataError(f"{display}:{lineno}: unreadable JSON ({_json_limit(exc)}); fix the file there") from exc
+            raise _unreadable_json(text, pos, display, exc) from exc
         line += text.count("\n", counted, pos)
         counted = pos
         yield f"{display}:{line}", element
@@ -332,8 +337,7 @@ def _decode_value(text: str, pos: int, display: str) -> tuple[Any, int]:
             f"{display}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno}); fix the file there"
         ) from exc
     except (ValueError, RecursionError) as exc:
-        lineno = text.count("\n", 0, pos) + 1
-        raise DataError(f"{display}:{lineno}: unreadable JSON ({_json_limit(exc)}); fix the file there") from exc
+        raise _unreadable_json(text, pos, display, exc) from exc
 
 
 def _require_end(text: str, pos: int, display: str) -> None:

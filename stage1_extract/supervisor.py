@@ -99,11 +99,15 @@ def parse_shard_ranges(text: str, num_shards: int) -> list[int]:
     return chosen
 
 
+DISK_FULL_ADVICE = ("the disk is full: free space and rerun the same command; finished shards are kept and the "
+                    "unfinished one is redone")
+
+
 def failure_summary(failed_text: str) -> str:
     """First line (who failed) + the exception line + any advice: the traceback itself stays in the log."""
     lines = [line for line in failed_text.splitlines() if line.strip()]
-    head, advice = lines[0], [line for line in lines if line.startswith("the disk is full")]
-    exception = next((line for line in reversed(lines) if not line.startswith(("the disk is full", " "))), "")
+    head, advice = lines[0], [line for line in lines if line == DISK_FULL_ADVICE]
+    exception = next((line for line in reversed(lines) if line != DISK_FULL_ADVICE and not line.startswith(" ")), "")
     return "; ".join([head, exception, *advice]) if exception != head else "; ".join([head, *advice])
 
 
@@ -352,8 +356,7 @@ class Supervisor:
             elif kind == "error":
                 failed_text = f"worker {worker_id} failed on shard {shard}:\n{payload[0]}"
                 if "No space left on device" in payload[0]:
-                    failed_text += ("the disk is full: free space and rerun the same command; finished shards are "
-                                    "kept and the unfinished one is redone\n")
+                    failed_text += DISK_FULL_ADVICE + "\n"
                 self._set_shard(shard, {"status": cf.SHARD_FAILED, "error": payload[0].strip().splitlines()[-1]})
                 break
         progress.close()

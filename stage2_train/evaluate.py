@@ -16,7 +16,7 @@ MT-Bench questions), or a JSONL/JSON file whose records hold ``messages`` / ``co
 ShareGPT from/value; the conversation up to the first assistant turn is the prompt) or a ``prompt`` string.
 ``heldout`` takes the held-out split of the training cache of the run the drafter was exported from (the cached
 prompt tokens up to the first response); for it the report adds the offline acceptance length of the same
-sequences over the same number of tokens (`offline_tau_walk`), so live and offline tau can be compared.
+sequences over the same number of tokens (`datasets.heldout.offline`), so live and offline tau can be compared.
 Several may be given, comma-separated.
 """
 

@@ -206,11 +206,11 @@ class Trainer:
         return plan_epoch(self.index, epoch, self.options.seed, self.options.batch_tokens, self.world,
                           self.pad_multiple)
 
-    def _steps_in_epoch(self, epoch: int) -> int:
-        return len(self._plan(epoch)) // (self.world * self.options.grad_accum)
+    def _steps_in_epoch(self, epoch: int, plan: list[Any] | None = None) -> int:
+        return len(plan if plan is not None else self._plan(epoch)) // (self.world * self.options.grad_accum)
 
-    def _loader(self, epoch: int, position: int) -> Any:
-        plan = self._plan(epoch)
+    def _loader(self, epoch: int, position: int, plan: list[Any] | None = None) -> Any:
+        plan = plan if plan is not None else self._plan(epoch)
         rank_plan = plan[self.rank :: self.world]
         dataset = CacheBatches(self.cache, rank_plan, start=position, epoch=epoch, seed=self.options.seed,
                                max_anchors=self.options.max_anchors, block_size=self.options.block_size,
@@ -284,8 +284,9 @@ class Trainer:
         window_tokens, window_start = 0, time.time()
         per_step = self.world * options.grad_accum
         while self.state.step < self.total_steps:
-            loader = iter(self._loader(self.state.epoch, self.state.position))
-            local_steps_left = self._steps_in_epoch(self.state.epoch) - self.state.position // options.grad_accum
+            plan = self._plan(self.state.epoch)
+            loader = iter(self._loader(self.state.epoch, self.state.position, plan))
+            local_steps_left = self._steps_in_epoch(self.state.epoch, plan) - self.state.position // options.grad_accum
             for _ in range(local_steps_left):
                 if self.state.step >= self.total_steps:
                     break
