@@ -7,13 +7,15 @@
 #             carried HumanEval / MT-Bench files into $SITE; the ShareGPT slice into $WORK
 #   generate  dflash generate over the ShareGPT slice, stopped after GEN_SECONDS (finished conversations kept)
 #   probe     (meant to run beside generate) flex vs SDPA phase probe and the loader-vs-memory train bench
-#   extract   dflash extract of what was generated, then inspect --verify
-#   train     a short calibration run measures steps/s; then one run per learning rate in LRS, side by side,
-#             with --max-steps fitted to TRAIN_SECONDS; the run with the best held-out offline tau is kept
-#   eval      dflash eval of the kept run on MT-Bench, HumanEval and the held-out split (one process each)
+#   extract   dflash extract of what was generated, once per feature dtype in DTYPES (bf16, fp8), each followed
+#             by inspect --verify
+#   train     a short calibration run per dtype measures steps/s; then one run per dtype, side by side, at
+#             learning rate LR with the same --max-steps fitted to TRAIN_SECONDS (same data, same steps: the
+#             fp8-vs-bf16 comparison); the bf16 run is the headline
+#   eval      dflash eval of each run on MT-Bench, HumanEval and the held-out split (one process each)
 #   bench     benchmarks/bench_train.py (loader vs in-memory, Qwen3-8B-shaped drafter)
-#   headline  probe beside generate, then extract, train, eval: the whole run, meant to be started detached
-#             (setsid) so that short device calls can poll $OUT while it runs
+#   headline  generate, extract, train, eval (and probe beside generate when PROBE=1): the whole run, meant to be
+#             started detached (setsid) so that short device calls can poll $OUT while it runs
 # Figures and logs go to $OUT, stage times to $OUT/timings.tsv.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -26,7 +28,9 @@ GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 4 --batch-tokens 524288 --chunk-size 12
 MAX_LENGTH=${MAX_LENGTH:-2048}
 TRAIN_SECONDS=${TRAIN_SECONDS:-540}
 TRAIN_FLAGS=${TRAIN_FLAGS:---attention sdpa --eval-every 200 --checkpoint-every 200 --batch-tokens 16384 --num-workers 4}
-LRS=${LRS:-6e-4 2e-3}
+LR=${LR:-6e-4}
+DTYPES=${DTYPES:-bf16 fp8}
+PROBE=${PROBE:-0}
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 DFLASH_HOME=${DFLASH_HOME:-/tmp/dflash_home}
@@ -86,17 +90,20 @@ EOF
         rm -rf /tmp/bench_train
         ;;
     extract)
-        timed extract $DF extract --data "$WORK/gen/finished.jsonl" --out "$WORK/cache" --max-length "$MAX_LENGTH"
-        timed inspect $DF inspect --cache "$WORK/cache" --verify --json >"$OUT/inspect.json"
-        du -sb "$WORK/cache" | tee -a "$OUT/timings.tsv"
-        cp "$WORK/cache/extract.log" "$OUT/"
+        for dtype in $DTYPES; do
+            timed "extract_$dtype" $DF extract --data "$WORK/gen/finished.jsonl" --out "$WORK/cache_$dtype" \
+                --max-length "$MAX_LENGTH" --feature-dtype "$dtype"
+            timed "inspect_$dtype" $DF inspect --cache "$WORK/cache_$dtype" --verify --json >"$OUT/inspect_$dtype.json"
+            du -sb "$WORK/cache_$dtype" | tee -a "$OUT/timings.tsv"
+            cp "$WORK/cache_$dtype/extract.log" "$OUT/extract_$dtype.log"
+        done
         ;;
     train)
-        # Calibrate: steps/s of each configuration while all of them run side by side, as they will.
-        for lr in $LRS; do
+        # Calibrate: steps/s of each run while all of them run side by side, as they will.
+        for dtype in $DTYPES; do
             # shellcheck disable=SC2086
-            $DF train --cache "$WORK/cache" --out "$WORK/calib_$lr" --max-steps 60 --lr "$lr" $TRAIN_FLAGS \
-                --eval-every 0 --checkpoint-every 0 >"$OUT/calib_$lr.log" 2>&1 &
+            $DF train --cache "$WORK/cache_$dtype" --out "$WORK/calib_$dtype" --max-steps 60 --lr "$LR" $TRAIN_FLAGS \
+                --eval-every 0 --checkpoint-every 0 >"$OUT/calib_$dtype.log" 2>&1 &
         done
         timed calibrate wait
         steps=$(python3 - "$TRAIN_SECONDS" "$WORK"/calib_* <<'EOF'
@@ -106,28 +113,17 @@ rates = []
 for run in runs:
     records = {r["step"]: r for r in map(json.loads, open(f"{run}/metrics.jsonl")) if "elapsed_s" in r}
     rates.append(40 / (records[60]["elapsed_s"] - records[20]["elapsed_s"]))
+    print(f"{run}: {rates[-1]:.2f} steps/s", file=sys.stderr)
 print(int(min(rates) * (budget - 120)))  # startup, evaluations, checkpoints and the final export
 EOF
 )
         echo "train steps fitted to ${TRAIN_SECONDS}s: $steps" | tee -a "$OUT/timings.tsv"
-        for lr in $LRS; do
+        for dtype in $DTYPES; do
             # shellcheck disable=SC2086
-            timeout -s TERM "$TRAIN_SECONDS" $DF train --cache "$WORK/cache" --out "$WORK/run_$lr" \
-                --max-steps "$steps" --lr "$lr" $TRAIN_FLAGS >"$OUT/train_$lr.out" 2>&1 &
+            timeout -s TERM "$TRAIN_SECONDS" $DF train --cache "$WORK/cache_$dtype" --out "$WORK/run_$dtype" \
+                --max-steps "$steps" --lr "$LR" $TRAIN_FLAGS >"$OUT/train_$dtype.out" 2>&1 &
         done
         timed train wait
-        best=$(python3 - "$WORK"/run_* <<'EOF'
-import json, sys
-taus = {}
-for run in sys.argv[1:]:
-    evals = [r for r in map(json.loads, open(f"{run}/metrics.jsonl")) if "eval/tau_walk" in r]
-    taus[run] = evals[-1]["eval/tau_walk"] if evals else 0.0
-    print(f"{run}: held-out offline tau {taus[run]:.3f}", file=sys.stderr)
-print(max(taus, key=taus.get))
-EOF
-)
-        echo "kept $best" | tee -a "$OUT/timings.tsv"
-        ln -sfn "$best" "$WORK/run"
         for run in "$WORK"/run_*; do
             name=$(basename "$run")
             [ -f "$run/export/config.json" ] || $DF export --run "$run"
@@ -136,9 +132,12 @@ EOF
         done
         ;;
     eval)
-        for data in mtbench humaneval heldout; do
-            $DF eval --draft "$WORK/run/export" --data "$data" --max-samples "$EVAL_SAMPLES" \
-                --max-new-tokens "$EVAL_TOKENS" --out "$OUT/eval_$data" >"$OUT/eval_$data.out" 2>&1 &
+        for run in "$WORK"/run_*; do
+            name=$(basename "$run")
+            for data in mtbench humaneval heldout; do
+                $DF eval --draft "$run/export" --data "$data" --max-samples "$EVAL_SAMPLES" \
+                    --max-new-tokens "$EVAL_TOKENS" --out "$OUT/eval_${name}_$data" >"$OUT/eval_${name}_$data.out" 2>&1 &
+            done
         done
         timed eval wait
         ;;
@@ -146,10 +145,9 @@ EOF
         timed bench_train python3 benchmarks/bench_train.py --out "$OUT" --steps 8
         ;;
     headline)
-        "$0" probe >"$OUT/probe.out" 2>&1 &
-        probe=$!
+        [ "$PROBE" = 1 ] && { "$0" probe >"$OUT/probe.out" 2>&1 & }
         "$0" generate extract
-        wait "$probe"
+        wait
         "$0" train eval
         echo "headline done" | tee -a "$OUT/timings.tsv"
         ;;

@@ -111,9 +111,15 @@ def verify_shard(cache_dir: Path, shard: int, entry: dict[str, Any], vocab_size:
             problems.append(f"token ids outside [0, {vocab_size})")
         if len(loss_mask) and loss_mask.max() > 1:
             problems.append("loss_mask holds values other than 0/1")
-        step = max(1, cf.StoreLayout.for_feature_dim(feature_dim).shard_rows)
+        scales = reader.feature_scales
+        if features.dtype == np.uint8 and (scales is None or int(scales.shape[0]) != int(offsets[-1])
+                                           or feature_dim % int(scales.shape[1])):
+            problems.append(f"fp8 features need feature_scales of shape ({int(offsets[-1])}, layers)")
+            return problems
+        step = max(1, cf.StoreLayout.for_feature_dim(feature_dim, features.dtype.itemsize).shard_rows)
         for start in range(0, int(features.shape[0]), step):
-            block = cf.bf16_view(np.asarray(features[start : start + step]))
+            block = cf.decode_features(np.asarray(features[start : start + step]),
+                                       None if scales is None else np.asarray(scales[start : start + step]))
             if not bool(torch.isfinite(block).all()):
                 problems.append(f"NaN/Inf features in rows {start}..{start + len(block) - 1}")
                 break

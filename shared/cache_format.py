@@ -13,8 +13,10 @@ use dflash). Layout of a cache directory:
     locks/                 one lock file per shard, held by the run that is extracting it
 
 A shard store holds samples back to back (no padding):
-    features     [tokens, n_layers * hidden] uint16 holding bfloat16 bits (zarr has no bf16 type; the
-                 attribute logical_dtype says "bfloat16"; view the uint16 as bf16, bit-exact, zero copy).
+    features     [tokens, n_layers * hidden] (zarr has no bf16 or fp8 type; the attribute logical_dtype names it):
+                 feature_dtype "bf16": uint16 holding bfloat16 bits (view as bf16: bit-exact, zero copy);
+                 feature_dtype "fp8": uint8 holding float8_e4m3fn bits, and beside it
+    feature_scales [tokens, n_layers] float32 (fp8 only): value = fp8 * scale, one scale per token and layer.
                  Layer blocks are in the order of manifest["layer_ids"], each `hidden` wide.
     input_ids    [tokens] int32
     loss_mask    [tokens] uint8 (1 = an assistant token the drafter learns to predict)
@@ -51,7 +53,13 @@ LOCKS_DIR = "locks"
 LOG_FILE = "extract.log"
 EMBEDDINGS_FILE = "embeddings.safetensors"
 
-FEATURE_DTYPES = ("bf16",)
+FEATURE_DTYPES = ("bf16", "fp8")
+# fp8 e4m3 (`float8_e4m3fn`): each token's block of each layer is scaled so that its largest magnitude lands on
+# the format's largest finite value; per token because massive-activation channels vary by token, per layer
+# because layers differ in scale by orders of magnitude (../shared/reference/storage.md: ~2.6 % relative L2).
+FP8_MAX = 448.0
+LOGICAL_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+STORED_DTYPES = {"bf16": np.dtype("uint16"), "fp8": np.dtype("uint8")}
 CHUNK_TARGET_BYTES = 2 << 20
 SHARD_TARGET_BYTES = 64 << 20
 
@@ -158,14 +166,14 @@ def identity_mismatch(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 @dataclass(frozen=True)
 class StoreLayout:
-    """Chunk and shard sizes (in rows) for a feature array of `feature_dim` bf16 columns."""
+    """Chunk and shard sizes (in rows) for a feature array of `feature_dim` columns of `itemsize` bytes."""
 
     chunk_rows: int
     shard_rows: int
 
     @staticmethod
-    def for_feature_dim(feature_dim: int) -> StoreLayout:
-        row_bytes = feature_dim * 2
+    def for_feature_dim(feature_dim: int, itemsize: int = 2) -> StoreLayout:
+        row_bytes = feature_dim * itemsize
         chunk_rows = 2 ** max(0, round(math.log2(max(1.0, CHUNK_TARGET_BYTES / row_bytes))))
         chunks_per_shard = max(1, round(SHARD_TARGET_BYTES / (chunk_rows * row_bytes)))
         return StoreLayout(chunk_rows=chunk_rows, shard_rows=chunk_rows * chunks_per_shard)
@@ -181,25 +189,33 @@ def create_shard_store(
     sample_index: np.ndarray,
     sample_ids: list[str],
     attributes: dict[str, Any],
+    feature_dtype: str = "bf16",
+    num_layers: int = 1,
 ) -> Any:
-    """Create a shard store whose token-level arrays are written now and whose features are filled later."""
+    """Create a shard store whose token-level arrays are written now and whose features (and, for fp8, their
+    scales: the array `feature_scales`, filled with `write_feature_scales`) are filled later."""
     import zarr
     from zarr.codecs import Crc32cCodec
 
     num_tokens = int(offsets[-1]) if len(offsets) else 0
-    layout = StoreLayout.for_feature_dim(feature_dim)
+    stored = STORED_DTYPES[feature_dtype]
+    layout = StoreLayout.for_feature_dim(feature_dim, stored.itemsize)
     group = zarr.open_group(str(path), mode="w", zarr_format=3)
     group.attrs.update({**attributes, "format_version": FORMAT_VERSION, "complete": False})
     features = group.create_array(
         "features",
         shape=(num_tokens, feature_dim),
-        dtype="uint16",
+        dtype=stored,
         chunks=(layout.chunk_rows, feature_dim),
         shards=(layout.shard_rows, feature_dim),
         compressors=[Crc32cCodec()],
         fill_value=0,
-        attributes={"logical_dtype": "bfloat16"},
+        attributes={"logical_dtype": LOGICAL_DTYPES[feature_dtype]},
     )
+    if feature_dtype == "fp8":
+        group.create_array("feature_scales", shape=(num_tokens, num_layers), dtype="float32",
+                           chunks=(max(1, min(num_tokens, 1 << 18)), num_layers), compressors=[Crc32cCodec()],
+                           fill_value=0.0)
 
     def small(name: str, values: np.ndarray) -> None:
         array = group.create_array(
@@ -229,7 +245,7 @@ def feature_file_problems(store: Path, features: Any) -> list[str]:
     without reading them; `dflash inspect --verify` reads everything."""
     num_rows, feature_dim = (int(x) for x in features.shape)
     chunk_rows, shard_rows = int(features.chunks[0]), int(features.shards[0])
-    chunk_bytes = chunk_rows * feature_dim * 2 + 4
+    chunk_bytes = chunk_rows * feature_dim * features.dtype.itemsize + 4
     index_bytes = (shard_rows // chunk_rows) * 16 + 4
     problems = []
     for k in range(-(-num_rows // shard_rows)):
@@ -241,6 +257,15 @@ def feature_file_problems(store: Path, features: Any) -> list[str]:
             found = "missing" if size is None else f"{size} bytes"
             problems.append(f"feature file {path.relative_to(store)} is {found}, expected {expected} bytes")
     return problems
+
+
+def write_feature_scales(path: Path, scales: np.ndarray) -> None:
+    """Fill the `feature_scales` array of an fp8 store (small: 4 bytes per token and layer)."""
+    import zarr
+
+    array = zarr.open_group(str(path), mode="r+", zarr_format=3)["feature_scales"]
+    if len(scales):
+        array[:] = scales
 
 
 def mark_store_complete(path: Path, stats: dict[str, Any]) -> None:
@@ -281,6 +306,7 @@ class ShardReader:
             raise CacheError(f"shard store {path} is incomplete")
         self.offsets = np.asarray(self.group["offsets"][:], dtype=np.int64)
         self.features = self.group["features"]
+        self.feature_scales = self.group["feature_scales"] if "feature_scales" in self.group else None
 
     @property
     def num_samples(self) -> int:
@@ -298,9 +324,16 @@ class ShardReader:
         )
 
     def sample_features(self, i: int) -> np.ndarray:
-        """uint16 [length, D]; `bf16_view` turns it into a bfloat16 tensor without copying."""
+        """The stored rows [length, D]: uint16 bf16 bits (`bf16_view` turns them into a bfloat16 tensor without
+        copying) or uint8 fp8 bits (`sample_feature_tensor` decodes either)."""
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         return np.asarray(self.features[start:end])
+
+    def sample_feature_tensor(self, i: int) -> Any:
+        """Sample i's features as a bfloat16 tensor [length, D] (fp8 rows are dequantized)."""
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        scales = None if self.feature_scales is None else np.asarray(self.feature_scales[start:end])
+        return decode_features(np.asarray(self.features[start:end]), scales)
 
 
 def bf16_view(features_uint16: np.ndarray) -> Any:
@@ -315,6 +348,69 @@ def bf16_bits(tensor: Any) -> np.ndarray:
     import torch
 
     return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def quantize_fp8(features: Any, num_layers: int) -> tuple[Any, Any]:
+    """features [n, L * H] (any float dtype, any device) -> (uint8 fp8 bits [n, L * H], float32 scales [n, L]).
+
+    Runs where the features are (on the GPU in extraction: half the bytes cross PCIe). A block that is all zeros
+    gets scale 1 (its bits are zeros)."""
+    import torch
+
+    rows = features.float().view(features.shape[0], num_layers, -1)
+    amax = rows.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    bits = (rows / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return bits.view(features.shape[0], -1), scales
+
+
+def dequantize_fp8(bits: Any, scales: Any, dtype: Any) -> Any:
+    """uint8 fp8 bits [..., L * H] and float32 scales [..., L] (torch, one device) -> features [..., L * H] of
+    `dtype`. Stage 2 calls it on the GPU, after the (half-size) copy."""
+    import torch
+
+    num_layers = scales.shape[-1]
+    values = bits.view(torch.float8_e4m3fn).float().unflatten(-1, (num_layers, -1)) * scales.unsqueeze(-1)
+    return values.flatten(-2).to(dtype)
+
+
+def encode_feature_rows(features: Any, feature_dtype: str, num_layers: int) -> Any:
+    """Feature rows [n, L * H] as extraction hands them to the shard writer (on the features' device):
+    bf16 -> bfloat16 [n, L * H]; fp8 -> uint8 [n, L * H + 4 * L], the fp8 bits followed by the bytes of the
+    float32 scales, so that one copy moves both to the host (`split_fp8_rows` takes them apart)."""
+    import torch
+
+    if feature_dtype == "bf16":
+        return features.to(torch.bfloat16)
+    bits, scales = quantize_fp8(features, num_layers)
+    return torch.cat([bits, scales.contiguous().view(torch.uint8)], dim=1)
+
+
+def encoded_row_width(feature_dim: int, feature_dtype: str, num_layers: int) -> int:
+    """Elements per row of `encode_feature_rows`' output."""
+    return feature_dim if feature_dtype == "bf16" else feature_dim + 4 * num_layers
+
+
+def stored_row_bytes(feature_dim: int, feature_dtype: str, num_layers: int) -> int:
+    """Bytes a token's features take in the cache (bf16: 2 per value; fp8: 1 per value + a float32 per layer)."""
+    return 2 * feature_dim if feature_dtype == "bf16" else feature_dim + 4 * num_layers
+
+
+def split_fp8_rows(rows: np.ndarray, feature_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 rows from `encode_feature_rows(..., "fp8", L)` -> (fp8 bits [n, D] view, float32 scales [n, L])."""
+    return rows[:, :feature_dim], np.ascontiguousarray(rows[:, feature_dim:]).view(np.float32)
+
+
+def decode_features(stored: np.ndarray, scales: np.ndarray | None) -> Any:
+    """Stored feature rows (numpy, as read from a store) -> a bfloat16 tensor: bf16 bits are viewed, fp8 bits
+    dequantized with their scales."""
+    import torch
+
+    if stored.dtype == np.uint16:
+        return bf16_view(stored)
+    if scales is None:
+        raise CacheError("fp8 features without their feature_scales array")
+    return dequantize_fp8(torch.from_numpy(np.ascontiguousarray(stored)), torch.from_numpy(scales), torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------------- status

@@ -60,6 +60,7 @@ class ExtractOptions:
     only_shards: str | None = None
     workers: int | None = None
     batch_tokens: int | None = None
+    feature_dtype: str = "bf16"
     overwrite: bool = False
     verbose: bool = False
 
@@ -181,7 +182,7 @@ class Supervisor:
             "target_hash": target_content_hash(target.load_path),
             "layer_ids": layer_ids,
             "hidden_size": hidden,
-            "feature_dtype": "bf16",
+            "feature_dtype": opts.feature_dtype,
             "tokenizer_hash": template_fingerprint(tokenizer),
             "data_fingerprint": data.fingerprint,
             "max_length": opts.max_length,
@@ -289,6 +290,7 @@ class Supervisor:
             log_file=self.log_file,
             threads=threads,
             verbose=self.options.verbose,
+            feature_dtype=identity["feature_dtype"],
             attributes={"layer_ids": identity["layer_ids"], "hidden_size": identity["hidden_size"],
                         "feature_dtype": identity["feature_dtype"]},
         )

@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.cache_format import shard_path, write_status
+from shared.cache_format import (
+    encode_feature_rows,
+    encoded_row_width,
+    shard_path,
+    stored_row_bytes,
+    write_status,
+)
 from shared.logs import get_logger, setup_logging
 from shared.target_loading import load_target_model, load_tokenizer
 from stage1_extract.capture import FeatureCapture
@@ -45,6 +51,7 @@ class WorkerConfig:
     stop_token_ids: list[int]
     log_file: Path
     threads: int = 0  # CPU threads per worker (0 = torch default)
+    feature_dtype: str = "bf16"  # how the features are stored: bf16, or fp8 quantized on the device
     verbose: bool = False
     attributes: dict[str, Any] = field(default_factory=dict)
 
@@ -62,18 +69,19 @@ class PinnedSlots:
     a slot blocks while the writer still holds all of them, which also bounds host memory.
     """
 
-    def __init__(self, count: int, rows: int, width: int) -> None:
+    def __init__(self, count: int, rows: int, width: int, dtype: torch.dtype) -> None:
         import queue
 
         self.rows = rows
         self.width = width
+        self.dtype = dtype
         self.free: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(count):
-            self.free.put(torch.empty((rows, width), dtype=torch.bfloat16, pin_memory=True))
+            self.free.put(torch.empty((rows, width), dtype=dtype, pin_memory=True))
 
     def take(self, rows: int) -> tuple[torch.Tensor, Any]:
         if rows > self.rows:  # one sample longer than the batch budget: a one-off buffer
-            return torch.empty((rows, self.width), dtype=torch.bfloat16, pin_memory=True), None
+            return torch.empty((rows, self.width), dtype=self.dtype, pin_memory=True), None
         slot = self.free.get()
         return slot, lambda: self.free.put(slot)
 
@@ -124,7 +132,10 @@ class ShardExtractor:
         self.fake_oom_tokens = int(os.environ.get(FAKE_OOM_ENV, "0"))
         self.oom_retries = 0
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.pinned = PinnedSlots(4, self.batch_tokens, self.feature_dim) if device.type == "cuda" else None
+        self.num_layers = len(config.layer_ids)
+        row_width = encoded_row_width(self.feature_dim, config.feature_dtype, self.num_layers)
+        row_dtype = torch.bfloat16 if config.feature_dtype == "bf16" else torch.uint8
+        self.pinned = PinnedSlots(4, self.batch_tokens, row_width, row_dtype) if device.type == "cuda" else None
 
     def tokenize(self, task: ShardTask) -> tuple[list[TokenizedSample], dict[str, int]]:
         samples: list[TokenizedSample] = []
@@ -168,6 +179,8 @@ class ShardExtractor:
             feature_dim=self.feature_dim,
             token_arrays=token_arrays,
             attributes={**self.config.attributes, "shard": shard},
+            feature_dtype=self.config.feature_dtype,
+            num_layers=self.num_layers,
         )
         try:
             for batch in plan_batches(lengths, self.batch_tokens, self.pad_multiple):
@@ -185,7 +198,8 @@ class ShardExtractor:
         except BaseException:
             writer.abort()
             raise
-        stats["bytes"] = int(stats["tokens"]) * self.feature_dim * 2
+        stats["bytes"] = int(stats["tokens"]) * stored_row_bytes(self.feature_dim, self.config.feature_dtype,
+                                                                  self.num_layers)
         return stats
 
     def _forward_with_backoff(self, batch: list[TokenizedSample], writer: FeatureShardWriter, shard: int) -> None:
@@ -220,6 +234,7 @@ class ShardExtractor:
         attention_mask = torch.from_numpy(mask).to(self.device, non_blocking=True)
         features = self.capture(input_ids, attention_mask)  # [B, width, D]
         rows = features[attention_mask.bool()]  # drop padding on the device: [tokens, D], samples back to back
+        rows = encode_feature_rows(rows, self.config.feature_dtype, self.num_layers)  # fp8: quantized here
         if self.device.type == "cuda":
             # Copy to pinned host memory on a side stream so the next forward overlaps the transfer;
             # the writer thread waits on the event before touching the rows, then hands the slot back.
@@ -233,7 +248,7 @@ class ShardExtractor:
                 ready.record(self.copy_stream)
             writer.submit(host, ready, release)
         else:
-            writer.submit(rows.to(torch.bfloat16))
+            writer.submit(rows)
 
 
 def worker_main(worker_id: int, device_name: str, config: WorkerConfig, tasks: Any, events: Any) -> None:

@@ -33,9 +33,10 @@ def _crc(data: np.ndarray | bytes) -> bytes:
 
 
 def shard_file_pieces(rows: np.ndarray, chunk_rows: int, shard_rows: int) -> list[bytes | memoryview]:
-    """The byte pieces of one shard file holding `rows` ([n <= shard_rows, D] little-endian uint16) in order."""
-    if rows.dtype != np.dtype("<u2") or not rows.flags.c_contiguous:
-        raise ValueError("rows must be C-contiguous little-endian uint16")
+    """The byte pieces of one shard file holding `rows` ([n <= shard_rows, D] little-endian uint16, or uint8)
+    in order."""
+    if rows.dtype not in (np.dtype("<u2"), np.dtype("u1")) or not rows.flags.c_contiguous:
+        raise ValueError("rows must be C-contiguous little-endian uint16 or uint8")
     n, width = rows.shape
     inner = shard_rows // chunk_rows
     index = np.full((inner, 2), EMPTY, dtype="<u8")
@@ -47,7 +48,7 @@ def shard_file_pieces(rows: np.ndarray, chunk_rows: int, shard_rows: int) -> lis
             break
         block = rows[start : start + chunk_rows]
         if len(block) < chunk_rows:  # edge chunk: zarr stores it at full size, padded with the fill value
-            padded = np.zeros((chunk_rows, width), dtype="<u2")
+            padded = np.zeros((chunk_rows, width), dtype=rows.dtype)
             padded[: len(block)] = block
             block = padded
         pieces += [memoryview(block).cast("B"), _crc(block)]

@@ -270,6 +270,9 @@ def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any],
         problems.append(f"its features have shape {features_shape}, expected {(tokens, feature_dim)}")
     else:
         problems += cf.feature_file_problems(path, reader.features)
+    scales = reader.feature_scales
+    if reader.features.dtype == np.uint8 and (scales is None or tuple(scales.shape)[0] != tokens):
+        problems.append("its fp8 features have no scales for every token (feature_scales)")
     if problems:
         raise _shard_error(cache_dir, shard, "does not match the manifest: " + "; ".join(problems))
     return offsets, _candidate_counts(loss_mask, offsets), sample_index
@@ -368,6 +371,7 @@ class _Store:
             reader = cf.ShardReader(cf.shard_path(cache_dir, shard))
             self.offsets = reader.offsets
             self.features = reader.features
+            self.feature_scales = reader.feature_scales  # fp8 caches only
             self.input_ids = reader.group["input_ids"]
             self.loss_mask = reader.group["loss_mask"]
             self.group = reader.group
@@ -402,22 +406,24 @@ def _read_into(array: Any, start: int, end: int, out: np.ndarray) -> None:
     array.get_basic_selection(selection, out=default_buffer_prototype().nd_buffer.from_numpy_array(out))
 
 
-def _empty_uint16(shape: tuple[int, ...], shared: bool) -> Tensor:
-    """An uninitialised uint16 tensor; in a DataLoader worker it is allocated in shared memory at once, so
-    handing it to the main process does not copy it into shared memory a second time."""
+def _empty_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> Tensor:
+    """An uninitialised tensor; in a DataLoader worker it is allocated in shared memory at once, so handing it
+    to the main process does not copy it into shared memory a second time."""
     if shared:
         try:
-            storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * 2)
-            return torch.empty(0, dtype=torch.uint16).set_(storage, 0, shape)
+            storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * dtype.itemsize)
+            return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
         except (AttributeError, RuntimeError, TypeError):  # pragma: no cover - other torch versions
             pass
-    return torch.empty(shape, dtype=torch.uint16)
+    return torch.empty(shape, dtype=dtype)
 
 
 class CacheBatches(IterableDataset):
     """The micro-batches of one rank's plan, from position `start` on, as dicts of CPU tensors.
 
-    Each item: features bf16 [B, S_pad, D] (zero padding), input_ids long [B, S_pad], loss_mask bool [B, S_pad],
+    Each item: features bf16 [B, S_pad, D] (zero padding) — or, from an fp8 cache, features uint8 fp8 bits
+    [B, S_pad, D] and feature_scales float32 [B, S_pad, L], dequantized by the trainer on its device
+    (`cf.dequantize_fp8`) so that only half the bytes cross to the GPU —, input_ids long [B, S_pad], loss_mask bool [B, S_pad],
     lengths long [B], anchors long [B, A] and anchor_valid bool [B, A] with A = max_anchors always, sample_keys
     long [B, 2] (shard, row) and position (int: the micro-batch's index in this rank's plan). When
     `mask_token_id` is given, also labels and block_input_ids long [B, A, block_size] (`block_labels`), computed
@@ -472,9 +478,14 @@ class CacheBatches(IterableDataset):
         rows = self._samples[self._bounds[position] : self._bounds[position + 1]]
         count = len(rows)
         width = _round_up(int(rows[:, 2].max()), self.pad_multiple)
-        dim = int(self._store(int(rows[0, 0])).features.shape[1])
-        features = _empty_uint16((count, width, dim), shared=get_worker_info() is not None)
+        first = self._store(int(rows[0, 0]))
+        dim = int(first.features.shape[1])
+        shared = get_worker_info() is not None
+        fp8 = first.feature_scales is not None
+        features = _empty_tensor((count, width, dim), torch.uint8 if fp8 else torch.uint16, shared)
         feature_bits = features.numpy()  # the same memory, as numpy for zarr to read into
+        scales = (_empty_tensor((count, width, int(first.feature_scales.shape[1])), torch.float32, shared)
+                  if fp8 else None)
         input_ids = np.zeros((count, width), dtype=np.int32)
         loss_mask = np.zeros((count, width), dtype=np.uint8)
         anchors = np.zeros((count, self.max_anchors), dtype=np.int64)
@@ -484,6 +495,9 @@ class CacheBatches(IterableDataset):
             start, end = store.bounds(row, length, self.cache_dir)
             try:
                 _read_into(store.features, start, end, feature_bits[b, :length])
+                if scales is not None:
+                    _read_into(store.feature_scales, start, end, scales.numpy()[b, :length])
+                    scales.numpy()[b, length:] = 0
                 _read_into(store.input_ids, start, end, input_ids[b, :length])
                 _read_into(store.loss_mask, start, end, loss_mask[b, :length])
             except Exception as error:  # noqa: BLE001 - a checksum failure or a vanished file
@@ -494,7 +508,7 @@ class CacheBatches(IterableDataset):
             anchors[b, : len(chosen)] = chosen
             anchor_valid[b, : len(chosen)] = True
         batch: dict[str, Any] = {
-            "features": features.view(torch.bfloat16),
+            "features": features if fp8 else features.view(torch.bfloat16),
             "input_ids": torch.from_numpy(input_ids).long(),
             "loss_mask": torch.from_numpy(loss_mask).bool(),
             "lengths": torch.from_numpy(rows[:, 2].copy()),
@@ -503,6 +517,8 @@ class CacheBatches(IterableDataset):
             "sample_keys": torch.from_numpy(rows[:, :2].copy()),
             "position": position,
         }
+        if scales is not None:
+            batch["feature_scales"] = scales
         if self.mask_token_id is not None:  # labels in the worker, off the training loop's critical path
             batch["labels"], batch["block_input_ids"] = block_labels(
                 batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["anchor_valid"], batch["lengths"],
@@ -568,6 +584,7 @@ class EvalSet:
         start, end = store.bounds(sample.row, sample.length, self.cache_dir)
         try:
             features = np.asarray(store.features[start:end])
+            scales = None if store.feature_scales is None else np.asarray(store.feature_scales[start:end])
             input_ids = np.asarray(store.input_ids[start:end])
             loss_mask = np.asarray(store.loss_mask[start:end])
             sample_index, sample_id = store.sample_meta(sample.row)
@@ -575,7 +592,7 @@ class EvalSet:
             raise _shard_error(self.cache_dir, sample.shard, f"could not be read at sample {sample.row} "
                                f"({type(error).__name__}: {error})") from error
         return {
-            "features": cf.bf16_view(features),
+            "features": cf.decode_features(features, scales),
             "input_ids": torch.from_numpy(input_ids.astype(np.int64)),
             "loss_mask": torch.from_numpy(loss_mask.astype(bool)),
             "length": sample.length,

@@ -248,8 +248,12 @@ class Trainer:
             context_len=int(batch["features"].shape[1]),
             block_size=self.options.block_size,
         )
+        features = batch["features"].to(device, non_blocking=True)
+        if "feature_scales" in batch:  # an fp8 cache: dequantize on the device, after the half-size copy
+            features = cf.dequantize_fp8(features, batch["feature_scales"].to(device, non_blocking=True),
+                                         self.compute_dtype)
         return {
-            "features": batch["features"].to(device, non_blocking=True),
+            "features": features,
             "block_ids": block_ids.to(device, non_blocking=True),
             "labels": labels.to(device, non_blocking=True),
             "layout": layout,

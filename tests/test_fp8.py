@@ -1,0 +1,148 @@
+"""fp8 feature caches: the quantizer, the stores it writes, extraction with --feature-dtype fp8, training on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared import cache_format as cf
+from stage1_extract.shard_writer import FeatureShardWriter
+from tests.conftest import EXTRACT_ARGS, run_dflash
+
+# e4m3 keeps 3 mantissa bits: a normal number is off by at most 2**-4 of itself after rounding.
+E4M3_RELATIVE_STEP = 2.0**-4
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 40), layers=st.integers(1, 4), hidden=st.sampled_from([8, 64]),
+       log_scale=st.floats(-6, 6), outlier=st.floats(0, 5), seed=st.integers(0, 2**16))
+def test_quantization_error_is_bounded_per_token_and_layer(tokens: int, layers: int, hidden: int, log_scale: float,
+                                                           outlier: float, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(tokens, layers, hidden, generator=generator) * 10.0**log_scale
+    values[:, 0, 0] *= 10.0**outlier  # a massive-activation channel in layer 0 only
+    features = values.flatten(1).to(torch.bfloat16)
+    bits, scales = cf.quantize_fp8(features, layers)
+    assert bits.dtype == torch.uint8 and bits.shape == features.shape
+    assert scales.dtype == torch.float32 and scales.shape == (tokens, layers)
+    back = cf.dequantize_fp8(bits, scales, torch.float32).view(tokens, layers, hidden)
+    source = features.float().view(tokens, layers, hidden)
+    # Each block's largest magnitude maps to 448 and comes back (to float32 rounding of amax / 448 * 448), so
+    # no value is clipped ...
+    torch.testing.assert_close(back.abs().amax(-1), source.abs().amax(-1), rtol=1e-6, atol=0)
+    # ... and the error of every block is a few percent of its own size: an outlier in layer 0 costs the
+    # other layers nothing (they have their own scales).
+    error = (back - source).norm(dim=-1) / source.norm(dim=-1)
+    assert bool((error <= E4M3_RELATIVE_STEP).all()), error.max()
+
+
+def test_zero_blocks_stay_zero_and_representable_values_are_exact() -> None:
+    exact = torch.tensor([[448.0, -448.0, 0.5, -3.25, 0.0, 2.0**-6, 96.0, 1.0]])  # all e4m3 numbers
+    features = torch.cat([exact * 2.0**-3, torch.zeros(1, 8)], dim=1)  # layer 0: scale 1/8; layer 1: zeros
+    bits, scales = cf.quantize_fp8(features, 2)
+    assert scales.tolist() == [[2.0**-3, 1.0]]
+    assert torch.equal(cf.dequantize_fp8(bits, scales, torch.float32), features)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=6), batch=st.integers(1, 120))
+def test_fp8_store_round_trip_equals_the_quantizer(tmp_path_factory: pytest.TempPathFactory, lengths: list[int],
+                                                  batch: int) -> None:
+    layers, hidden = 3, 16
+    total = sum(lengths)
+    features = (torch.randn(total, layers * hidden) * torch.logspace(-2, 2, layers).repeat_interleave(hidden))
+    features = features.to(torch.bfloat16)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    arrays = {"input_ids": np.arange(total, dtype=np.int32), "loss_mask": np.ones(total, np.uint8),
+              "offsets": offsets, "sample_index": np.arange(len(lengths)), "sample_ids": [f"s{i}" for i in lengths]}
+    final = tmp_path_factory.mktemp("fp8") / cf.shard_name(0)
+    saved = cf.SHARD_TARGET_BYTES
+    cf.SHARD_TARGET_BYTES = 64 * layers * hidden  # several zarr shard files per store
+    try:
+        writer = FeatureShardWriter(final, feature_dim=layers * hidden, token_arrays=arrays, attributes={},
+                                    feature_dtype="fp8", num_layers=layers)
+    finally:
+        cf.SHARD_TARGET_BYTES = saved
+    for start in range(0, total, batch):  # as a worker submits: encoded rows, uneven batches
+        writer.submit(cf.encode_feature_rows(features[start : start + batch], "fp8", layers))
+    writer.close({"samples": len(lengths)})
+    bits, scales = cf.quantize_fp8(features, layers)
+    # Plain zarr reads what we wrote (our shard-file encoder for uint8 rows; the scales through zarr).
+    group = zarr.open_group(str(final), mode="r")
+    assert group["features"].dtype == np.uint8 and group["features"].attrs["logical_dtype"] == "float8_e4m3fn"
+    np.testing.assert_array_equal(group["features"][:], bits.numpy())
+    np.testing.assert_array_equal(group["feature_scales"][:], scales.numpy())
+    reader = cf.ShardReader(final)
+    assert cf.feature_file_problems(final, reader.features) == []
+    for i in range(len(lengths)):
+        expected = cf.dequantize_fp8(bits[offsets[i] : offsets[i + 1]], scales[offsets[i] : offsets[i + 1]],
+                                     torch.bfloat16)
+        assert torch.equal(reader.sample_feature_tensor(i), expected)
+
+
+@pytest.fixture(scope="module")
+def fp8_cache(tmp_path_factory: pytest.TempPathFactory, chat_jsonl: Path) -> Path:
+    out = tmp_path_factory.mktemp("fp8_cache") / "cache"
+    run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", "--feature-dtype", "fp8",
+               *EXTRACT_ARGS, check=True)
+    return out
+
+
+def test_fp8_extraction_stores_the_quantized_bf16_features(fp8_cache: Path, baseline_cache: Path) -> None:
+    """The same run as the bf16 baseline (same batches, same kernels), quantized: bit for bit what the quantizer
+    makes of the baseline's features, at half the bytes."""
+    manifest, baseline = cf.read_manifest(fp8_cache), cf.read_manifest(baseline_cache)
+    layers = len(manifest["identity"]["layer_ids"])
+    feature_dim = layers * manifest["identity"]["hidden_size"]
+    assert manifest["identity"]["feature_dtype"] == "fp8"
+    for key, entry in manifest["shards"].items():
+        assert entry["status"] == cf.SHARD_DONE
+        assert entry["bytes"] == entry["tokens"] * (feature_dim + 4 * layers)
+        assert 2 * feature_dim / (feature_dim + 4 * layers) > 1.98  # 5760 vs 2900 bytes per token
+        ours = cf.ShardReader(cf.shard_path(fp8_cache, int(key)))
+        theirs = cf.ShardReader(cf.shard_path(baseline_cache, int(key)))
+        np.testing.assert_array_equal(ours.offsets, theirs.offsets)
+        bits, scales = cf.quantize_fp8(cf.bf16_view(np.asarray(theirs.features[:])), layers)
+        np.testing.assert_array_equal(np.asarray(ours.features[:]), bits.numpy())
+        np.testing.assert_array_equal(np.asarray(ours.feature_scales[:]), scales.numpy())
+        assert baseline["shards"][key]["tokens"] == entry["tokens"]
+    verified = run_dflash("inspect", "--cache", str(fp8_cache), "--verify")
+    assert verified.returncode == 0 and "verify: OK" in verified.stdout, verified.stdout + verified.stderr
+
+
+def test_a_bf16_rerun_into_an_fp8_cache_is_refused(fp8_cache: Path, chat_jsonl: Path) -> None:
+    refused = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(fp8_cache), "--workers", "1",
+                         *EXTRACT_ARGS)
+    assert refused.returncode == 3
+    assert "feature_dtype: cache has 'fp8', this run has 'bf16'" in refused.stderr
+
+
+def test_training_dequantizes_fp8_batches_to_the_stored_values(fp8_cache: Path, tmp_path: Path) -> None:
+    from stage2_train.data import CacheBatches, CacheIndex, EvalSet, make_loader, plan_epoch
+
+    index = CacheIndex.from_cache(fp8_cache, eval_fraction=0.2, seed=0)
+    plan = plan_epoch(index, 0, 0, 256, 1, 8)
+    batch = next(iter(make_loader(CacheBatches(fp8_cache, plan, max_anchors=4, seed=0, epoch=0, block_size=4,
+                                               pad_multiple=8), 1, pin_memory=False)))
+    assert batch["features"].dtype == torch.uint8
+    assert batch["feature_scales"].shape == (*batch["features"].shape[:2], 5)
+    decoded = cf.dequantize_fp8(batch["features"], batch["feature_scales"], torch.bfloat16)
+    shard, row = batch["sample_keys"][0].tolist()
+    stored = cf.ShardReader(cf.shard_path(fp8_cache, shard)).sample_feature_tensor(row)
+    length = int(batch["lengths"][0])
+    assert torch.equal(decoded[0, :length], stored) and not decoded[0, length:].any()
+    assert EvalSet(index)[0]["features"].dtype == torch.bfloat16
+    # And the real CLI trains on it (the trainer dequantizes on its device).
+    run = tmp_path / "run"
+    result = run_dflash("train", "--cache", str(fp8_cache), "--out", str(run), "--max-steps", "2",
+                        "--draft-layers", "1", "--max-anchors", "8", "--batch-tokens", "512", "--eval-every", "2",
+                        "--eval-sequences", "2", "--num-workers", "0", "--eval-fraction", "0.2",
+                        "--mixed-precision", "no")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (run / "export" / "model.safetensors").is_file()
