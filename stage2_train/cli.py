@@ -9,8 +9,12 @@ import click
 
 
 @click.command("train")
-@click.option("--cache", type=click.Path(path_type=Path, file_okay=False, exists=True), required=True,
-              help="Feature cache made by `dflash extract`.")
+@click.option("--cache", required=True, metavar="DIR|s3://BUCKET/PREFIX",
+              help="Feature cache made by `dflash extract`: a folder, or a bucket (read by zarr from the bucket; the "
+                   "manifest and target/ are mirrored to ~/.cache/dflash/remote/).")
+@click.option("--local-copy", is_flag=True,
+              help="With an s3:// cache: keep each shard file on local disk once first read (read-through), for "
+                   "epochs after the first; needs the disk space of the cache.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("dflash_run"), show_default=True,
               help="Run directory: logs, metrics, TensorBoard, plots, checkpoints/, export/.")
 @click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True)
@@ -61,12 +65,38 @@ def train_command(processes: int | None, compile_: bool, **kwargs: object) -> No
 
     from stage2_train.trainer import TrainOptions, run_training, spawn_processes
 
+    from shared.object_store import resolve_cache
+
+    kwargs["cache"] = resolve_cache(str(kwargs["cache"]), read_through=bool(kwargs.pop("local_copy")))
     options = TrainOptions(compile=compile_, **kwargs)  # type: ignore[arg-type]
     if processes is None:
         processes = torch.cuda.device_count() if torch.cuda.is_available() else 1
     if processes > 1 and "RANK" not in os.environ:
         sys.exit(spawn_processes(options, processes))
+    refuse_cpu_launch_without_ranks()
     run_training(options)
+
+
+def refuse_cpu_launch_without_ranks() -> None:
+    """Refuse `accelerate launch --cpu` asked for several processes or machines but started without ranks.
+
+    Hand-written because Accelerate cannot tell: with --cpu its launcher starts ONE plain process per launch (its
+    multi-CPU mode expects mpirun, `--mpirun_hostfile`), exporting MASTER_ADDR only when more than one process or
+    machine was asked for, and no RANK / WORLD_SIZE. Each launch would then train alone into the same --out.
+    """
+    import os
+
+    from accelerate.utils import get_int_from_env, str_to_bool
+
+    # The variables Accelerate itself reads for the world size of a CPU run (torchrun, mpirun flavours).
+    world = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
+    if str_to_bool(os.environ.get("ACCELERATE_USE_CPU", "false")) and "MASTER_ADDR" in os.environ and world == 1:
+        from shared.errors import UserError
+
+        raise UserError("`accelerate launch --cpu` started this process without a rank: with --cpu Accelerate starts "
+                        "one process per launch (more need mpirun, --mpirun_hostfile), so each would train alone; "
+                        "launch with --multi_gpu instead (torchrun; without CUDA dflash trains on the CPU with gloo), "
+                        "see docs/multinode.md")
 
 
 @click.command("export")

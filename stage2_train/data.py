@@ -239,8 +239,8 @@ class CacheIndex:
 def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any],
                 feature_dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(offsets, anchor-candidate counts, sample_index) of one finished shard, checked against the manifest."""
-    path = cf.shard_path(cache_dir, shard)
-    if not path.is_dir():
+    path = cf.shard_source(cache_dir, shard)
+    if isinstance(path, Path) and not path.is_dir():
         raise _shard_error(cache_dir, shard, "is marked done in the manifest but its store is missing")
     try:
         reader = cf.ShardReader(path)
@@ -268,7 +268,7 @@ def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any],
         problems.append("its token arrays disagree with its offsets")
     if features_shape != (tokens, feature_dim):
         problems.append(f"its features have shape {features_shape}, expected {(tokens, feature_dim)}")
-    else:
+    elif isinstance(path, Path):  # a local store: its file sizes (in a bucket, checksums catch damage on read)
         problems += cf.feature_file_problems(path, reader.features)
     scales = reader.feature_scales
     if reader.features.dtype == np.uint8 and (scales is None or tuple(scales.shape)[0] != tokens):
@@ -368,7 +368,7 @@ class _Store:
     def __init__(self, cache_dir: Path, shard: int) -> None:
         self.shard = shard
         try:
-            reader = cf.ShardReader(cf.shard_path(cache_dir, shard))
+            reader = cf.ShardReader(cf.shard_source(cache_dir, shard))
             self.offsets = reader.offsets
             self.features = reader.features
             self.feature_scales = reader.feature_scales  # fp8 caches only
@@ -527,7 +527,7 @@ class CacheBatches(IterableDataset):
 
 
 def make_loader(dataset: CacheBatches, num_workers: int, *, prefetch_factor: int = 2,
-                pin_memory: bool | None = None, context: str = "fork") -> DataLoader:
+                pin_memory: bool | None = None, context: str | None = None) -> DataLoader:
     """A DataLoader over `dataset` that yields its micro-batches in plan order.
 
     Workers are forked by default: zarr-python resets its IO thread and event loop in a forked child
@@ -544,7 +544,15 @@ def make_loader(dataset: CacheBatches, num_workers: int, *, prefetch_factor: int
 
     Memory in flight: num_workers * prefetch_factor micro-batches of about batch_tokens * D * 2 bytes each, in
     shared memory (/dev/shm must hold them: containers often default to 64 MB).
+
+    Default context: fork, except for a cache in object storage (shared/object_store.py): obstore's I/O runtime
+    lives in threads of the parent, which a forked child does not have (its first read would wait forever), so
+    workers then come from a forkserver, which has never touched the bucket.
     """
+    if context is None:
+        from shared.object_store import REMOTE_FILE
+
+        context = "forkserver" if (Path(dataset.cache_dir) / REMOTE_FILE).is_file() else "fork"
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     options: dict[str, Any] = {"batch_size": None, "num_workers": num_workers, "pin_memory": pin_memory}
