@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> Any:
     # dflash never downloads at run time: models and datasets must be local or in the HF cache.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    # Bit-equal CPU math from one process to the next (a resumed run must repeat the loss curve exactly). By
+    # default MKL picks its gemm code path at run time and, per Intel's conditional numerical reproducibility
+    # notes, may vary it with alignment and thread availability; AUTO,STRICT fixes one path for this CPU and
+    # MKL_DYNAMIC=FALSE a constant thread count. MKL reads both once, at its first call (torch is not yet
+    # imported here). Measured on 2 cores: same speed; the path differs, so losses move in the last bits.
+    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+    os.environ.setdefault("MKL_DYNAMIC", "FALSE")
     with user_facing_errors():
         return dflash.main(args=argv, prog_name="dflash")
 
