@@ -206,8 +206,9 @@ class Supervisor:
             "data": {"source": data.source, "conversations": len(data.conversations), "skipped_on_load": data.skipped},
         }
         with cf.manifest_lock(self.cache_dir):
+            # Read again under the lock: another machine may have created the manifest since it was looked at.
+            existing = cf.read_manifest(self.cache_dir) if (self.cache_dir / cf.MANIFEST_FILE).exists() else None
             if existing is not None:
-                existing = cf.read_manifest(self.cache_dir)
                 differences = cf.identity_mismatch(existing["identity"], identity)
                 if not differences:
                     return existing
