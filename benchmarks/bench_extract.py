@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None, help="total tokens per pass")
     parser.add_argument("--batch-tokens", type=int, default=None)
     parser.add_argument("--work-dir", type=Path, default=None, help="where the benchmark cache is written")
+    parser.add_argument("--feature-dtype", choices=["bf16", "fp8"], default="bf16",
+                        help="How dflash stores the features (fp8: quantized on the device, half the bytes).")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--threads", type=int, default=0)
     args = parser.parse_args()
@@ -170,7 +172,8 @@ def main() -> None:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     config = WorkerConfig(cache_dir=work, load_path=load_path, layer_ids=layer_ids, max_length=1 << 20,
-                          overlength="truncate", batch_tokens=batch_tokens, stop_token_ids=[], log_file=work / "log")
+                          overlength="truncate", batch_tokens=batch_tokens, stop_token_ids=[], log_file=work / "log",
+                          feature_dtype=args.feature_dtype)
     extractor = ShardExtractor(config, device, report=lambda *a: None, model=model, tokenizer=tokenizer)
     lengths = [len(s.input_ids) for s in samples]
     batches = [[samples[i] for i in b] for b in plan_batches(lengths, batch_tokens, extractor.pad_multiple)]
@@ -212,6 +215,7 @@ def main() -> None:
         "tokens": tokens,
         "layer_ids": layer_ids,
         "feature_dim": extractor.feature_dim,
+        "feature_dtype": args.feature_dtype,
         "batch_tokens": batch_tokens,
         "runs": results,
         "best_speedup_vs_plain": round(best["speedup"], 3),
@@ -220,7 +224,8 @@ def main() -> None:
     }
     print(json.dumps(summary, indent=2))
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"extract_{args.target}_{device.type}.json"
+    suffix = "" if args.feature_dtype == "bf16" else f"_{args.feature_dtype}"
+    name = f"extract_{args.target}_{device.type}{suffix}.json"
     (args.out / name).write_text(json.dumps(summary, indent=2) + "\n")
     if args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
