@@ -370,3 +370,13 @@ def test_matches_qwen3_primitives() -> None:
         ours = model(embeddings, features, q_pos)
         reference = qwen3_primitive_forward(model, embeddings, features, q_pos)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("hidden", "device", "expected"), [(576, "cuda", "sdpa"), (2048, "cuda", "flex"),
+                                                              (4096, "cuda", "flex"), (4096, "cpu", "sdpa")])
+def test_auto_attention_picks_the_measured_faster_backend(hidden: int, device: str, expected: str) -> None:
+    config = config_from_target({**TARGET_CONFIG, "hidden_size": hidden, "num_attention_heads": hidden // 64, "num_key_value_heads": 1,
+                                 "head_dim": 64}, TARGET_LAYER_IDS, 1, BLOCK, 0)
+    model = DFlashDraftModel(config, "auto")
+    assert model._backend(torch.device(device)) == expected
+    assert DFlashDraftModel(config, "flex")._backend(torch.device("cpu")) == "flex"  # explicit choices stand
