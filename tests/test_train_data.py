@@ -231,8 +231,9 @@ def epoch_plan(index: CacheIndex) -> list[list[Sample]]:
 def test_batches_hold_the_stored_rows_bit_exactly(cache: Path, epoch_plan: list[list[Sample]],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     stored = stored_samples(cache)
-    empty = td._empty_uint16
-    monkeypatch.setattr(td, "_empty_uint16", lambda shape, shared: empty(shape, shared).fill_(-1))  # dirty memory
+    empty = td._empty_tensor
+    monkeypatch.setattr(td, "_empty_tensor",  # dirty memory: every padding byte must be written
+                        lambda shape, dtype, shared: empty(shape, dtype, shared).fill_(255))
     dataset = CacheBatches(cache, epoch_plan, epoch=0, seed=1, max_anchors=16, block_size=4, pad_multiple=PAD,
                            mask_token_id=7)
     items = collect(dataset, 0)
