@@ -112,10 +112,8 @@ def verify_shard(cache_dir: Path, shard: int, entry: dict[str, Any], vocab_size:
         if len(loss_mask) and loss_mask.max() > 1:
             problems.append("loss_mask holds values other than 0/1")
         scales = reader.feature_scales
-        if features.dtype == np.uint8 and (scales is None or int(scales.shape[0]) != int(offsets[-1])
-                                           or feature_dim % int(scales.shape[1])):
-            problems.append(f"fp8 features need feature_scales of shape ({int(offsets[-1])}, layers)")
-            return problems
+        if (scales_problem := reader.scales_problem()) is not None:
+            return [*problems, scales_problem]
         step = max(1, cf.StoreLayout.for_feature_dim(feature_dim, features.dtype.itemsize).shard_rows)
         for start in range(0, int(features.shape[0]), step):
             block = cf.decode_features(np.asarray(features[start : start + step]),

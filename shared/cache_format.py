@@ -333,6 +333,17 @@ class ShardReader:
             np.asarray(self.group["loss_mask"][start:end]),
         )
 
+    def scales_problem(self) -> str | None:
+        """What is wrong with an fp8 store's `feature_scales` (absent, or not one row per token and a layer count
+        that divides the feature width); None when sound or when the store holds bf16."""
+        if self.features.dtype != np.uint8:
+            return None
+        tokens, width = (int(x) for x in self.features.shape)
+        scales = self.feature_scales
+        if scales is None or int(scales.shape[0]) != tokens or not int(scales.shape[1]) or width % int(scales.shape[1]):
+            return f"its fp8 features need feature_scales of shape ({tokens}, layers)"
+        return None
+
     def sample_features(self, i: int) -> np.ndarray:
         """The stored rows [length, D]: uint16 bf16 bits (`bf16_view` turns them into a bfloat16 tensor without
         copying) or uint8 fp8 bits (`sample_feature_tensor` decodes either)."""

@@ -22,7 +22,6 @@ AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL (for S3-compatible servers),
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import json
 import os
@@ -31,6 +30,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from zarr.storage import LocalStore
+from zarr.storage._wrapper import WrapperStore
 
 from shared import cache_format as cf
 from shared.errors import UserError
@@ -226,12 +228,16 @@ def resolve_cache(location: str | Path, read_through: bool = False) -> Path:
     return mirror(str(location), read_through=read_through) if is_remote(location) else Path(location)
 
 
+def is_mirror(cache_dir: Path) -> bool:
+    """Whether `cache_dir` is the local mirror of a cache in a bucket (`mirror`)."""
+    return (Path(cache_dir) / REMOTE_FILE).is_file()
+
+
 def remote_source(cache_dir: Path, shard: int) -> Any | None:
     """The zarr store of shard `shard` when `cache_dir` is the mirror of a remote cache, else None."""
-    path = Path(cache_dir) / REMOTE_FILE
-    if not path.is_file():
+    if not is_mirror(cache_dir):
         return None
-    remote = json.loads(path.read_text())
+    remote = json.loads((Path(cache_dir) / REMOTE_FILE).read_text())
     if not remote.get("read_through"):
         return shard_store(remote["url"], shard)
     # Local copies are kept per publication of the shard: a store published again (an --overwrite rerun) gets
@@ -252,47 +258,37 @@ def shard_store(url: str, shard: int, read_through: Path | None = None) -> Any:
     return store
 
 
-@functools.cache
-def _read_through_class() -> type:
-    from zarr.storage._wrapper import WrapperStore
+class ReadThroughStore(WrapperStore[Any]):
+    """Reads each object once from the bucket, whole, into a local folder; serves every later read (and every
+    byte range: the sharding codec reads an index, then inner chunks) from the local file.
 
-    class _ReadThroughStore(WrapperStore[Any]):
-        """Reads each object once from the bucket, whole, into a local folder; serves every later read (and every
-        byte range: the sharding codec reads an index, then inner chunks) from the local file.
+    Written by hand because zarr's own CacheStore keeps byte-range reads in memory only, and the training loader
+    reads nothing but byte ranges of the (64 MB) shard files. Each local copy is written under a temporary name
+    and renamed, so concurrent DataLoader workers never see half a file."""
 
-        Written by hand because zarr's own CacheStore keeps byte-range reads in memory only, and the training
-        loader reads nothing but byte ranges of the (64 MB) shard files. Each local copy is written under a
-        temporary name and renamed, so concurrent DataLoader workers never see half a file."""
+    def __init__(self, store: Any, folder: Path) -> None:
+        super().__init__(store)
+        self.folder = Path(folder)
+        self._local_store = LocalStore(self.folder, read_only=True)
 
-        def __init__(self, store: Any, folder: Path) -> None:
-            super().__init__(store)
-            self.folder = Path(folder)
+    def _with_store(self, store: Any) -> Any:
+        return type(self)(store, self.folder)
 
-        def _with_store(self, store: Any) -> Any:
-            return type(self)(store, self.folder)
+    async def _fetch(self, key: str, prototype: Any) -> bool:
+        """Make sure the local copy of `key` exists; False when the bucket has no such object."""
+        path = self.folder / key
+        if path.is_file():
+            return True
+        whole = await self._store.get(key, prototype)
+        if whole is None:
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{id(whole)}")
+        await asyncio.to_thread(tmp.write_bytes, whole.to_bytes())
+        os.replace(tmp, path)
+        return True
 
-        async def _local(self, key: str, prototype: Any) -> Path | None:
-            path = self.folder / key
-            if not path.is_file():
-                whole = await self._store.get(key, prototype)
-                if whole is None:
-                    return None
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{id(whole)}")
-                await asyncio.to_thread(tmp.write_bytes, whole.to_bytes())
-                os.replace(tmp, path)
-            return path
-
-        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
-            from zarr.storage import LocalStore
-
-            path = await self._local(key, prototype)
-            if path is None:
-                return None
-            return await LocalStore(self.folder, read_only=True).get(key, prototype, byte_range)
-
-    return _ReadThroughStore
-
-
-def ReadThroughStore(store: Any, folder: Path) -> Any:  # noqa: N802 - a class built on first use (zarr import)
-    return _read_through_class()(store, folder)
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        if not await self._fetch(key, prototype):
+            return None
+        return await self._local_store.get(key, prototype, byte_range)

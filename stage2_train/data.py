@@ -270,9 +270,8 @@ def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any],
         problems.append(f"its features have shape {features_shape}, expected {(tokens, feature_dim)}")
     elif isinstance(path, Path):  # a local store: its file sizes (in a bucket, checksums catch damage on read)
         problems += cf.feature_file_problems(path, reader.features)
-    scales = reader.feature_scales
-    if reader.features.dtype == np.uint8 and (scales is None or tuple(scales.shape)[0] != tokens):
-        problems.append("its fp8 features have no scales for every token (feature_scales)")
+    if (scales_problem := reader.scales_problem()) is not None:
+        problems.append(scales_problem)
     if problems:
         raise _shard_error(cache_dir, shard, "does not match the manifest: " + "; ".join(problems))
     return offsets, _candidate_counts(loss_mask, offsets), sample_index
@@ -550,9 +549,9 @@ def make_loader(dataset: CacheBatches, num_workers: int, *, prefetch_factor: int
     workers then come from a forkserver, which has never touched the bucket.
     """
     if context is None:
-        from shared.object_store import REMOTE_FILE
+        from shared.object_store import is_mirror
 
-        context = "forkserver" if (Path(dataset.cache_dir) / REMOTE_FILE).is_file() else "fork"
+        context = "forkserver" if is_mirror(dataset.cache_dir) else "fork"
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     options: dict[str, Any] = {"batch_size": None, "num_workers": num_workers, "pin_memory": pin_memory}

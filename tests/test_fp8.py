@@ -146,3 +146,19 @@ def test_training_dequantizes_fp8_batches_to_the_stored_values(fp8_cache: Path, 
                         "--mixed-precision", "no")
     assert result.returncode == 0, result.stderr[-3000:]
     assert (run / "export" / "model.safetensors").is_file()
+
+
+def test_an_fp8_store_without_its_scales_is_named_by_verify_and_by_training(fp8_cache: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from stage2_train.data import CacheError, CacheIndex
+
+    cache = tmp_path / "cache"
+    shutil.copytree(fp8_cache, cache)
+    shutil.rmtree(cf.shard_path(cache, 1) / "feature_scales")
+    expected = "its fp8 features need feature_scales of shape"
+    assert cf.ShardReader(cf.shard_path(cache, 0)).scales_problem() is None
+    verified = run_dflash("inspect", "--cache", str(cache), "--verify")
+    assert verified.returncode == 1 and f"DAMAGED shard 1 (shard-00001.zarr): {expected}" in verified.stdout
+    with pytest.raises(CacheError, match=f"shard 1.*{expected}"):
+        CacheIndex.from_cache(cache, eval_fraction=0.2, seed=0)
