@@ -324,7 +324,8 @@ class Trainer:
                 window_tokens += tokens * self.world
                 record = {"step": self.state.step, "elapsed_s": round(time.time() - started, 3),
                           "loss": float(global_loss), "lr": self.scheduler.get_last_lr()[0],
-                          "accuracy": float(correct[1:].sum() / counted[1:].sum().clamp(min=1))}
+                          "accuracy": float(correct[1:].sum() / counted[1:].sum().clamp(min=1)),
+                          "labels": int(counted[1:].sum())}  # supervised drafted tokens in the global batch
                 if self.state.step % options.log_every == 0 or self.state.step == self.total_steps:
                     elapsed = time.time() - window_start
                     record["block_tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
