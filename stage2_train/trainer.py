@@ -170,6 +170,9 @@ class Trainer:
         if options.resume:
             self._check_resumable()
         self.state = TrainState()
+        self._checkpointed_step: int | None = None  # steps already saved / evaluated, so the end of training
+        self._evaluated_step: int | None = None  # does not repeat what --checkpoint-every / --eval-every just did
+        self._last_eval: dict[str, Any] = {}
         self.accelerator.register_for_checkpointing(self.state)
         self.tensorboard = None
         if main:
@@ -231,6 +234,7 @@ class Trainer:
         if self.accelerator.is_main_process:
             (path / "complete").write_text(str(self.state.step))  # marks a checkpoint that was written fully
             log.info("checkpoint %s", path)
+        self._checkpointed_step = self.state.step
 
     # ------------------------------------------------------------------------------------------ one step
 
@@ -277,6 +281,7 @@ class Trainer:
                 log.info("--resume: no checkpoint in %s, starting from scratch", self.out / CHECKPOINTS_DIR)
             else:
                 self.accelerator.load_state(str(latest))
+                self._checkpointed_step = self.state.step
                 log.info("resumed from %s (step %d, epoch %d, micro-batch %d)", latest, self.state.step,
                          self.state.epoch, self.state.position)
         log.info("training %d steps (~%d per epoch) on %d process(es), %s, %d train / %d eval samples; mask token %d",
@@ -344,8 +349,9 @@ class Trainer:
                 self.state.position = 0
                 continue
             break
-        self.save_checkpoint()
-        final = self.evaluate()
+        if self._checkpointed_step != self.state.step:  # --checkpoint-every may have just saved this step
+            self.save_checkpoint()
+        final = self._last_eval if self._evaluated_step == self.state.step else self.evaluate()
         if self.accelerator.is_main_process:
             export_draft(self.accelerator.unwrap_model(self.model), self.out / EXPORT_DIR, self.manifest)
             log.info("exported the drafter to %s (%.1f min)", self.out / EXPORT_DIR, (time.time() - started) / 60)
@@ -376,6 +382,7 @@ class Trainer:
 
             write_plots(self.out)
         self.accelerator.wait_for_everyone()
+        self._evaluated_step, self._last_eval = self.state.step, result
         return result
 
     def _drop_partial_metrics_line(self) -> None:
