@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not reliability" tests
+	$(BIN)/python -m pytest -q --durations=15 -m "not slow and not reliability" tests
 
 # Randomized kill campaign (10 random kills per command) and its table; ~15 minutes on 2 cores.
 reliability: $(STAMP)

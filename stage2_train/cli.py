@@ -46,8 +46,10 @@ import click
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa", "eager"]), default="auto", show_default=True,
               help="auto = flex_attention on CUDA for drafters of hidden size >= 2048 (SDPA is faster below: "
                    "measured), SDPA with an explicit mask on CPU.")
-@click.option("--compile", "compile_", is_flag=True, help="torch.compile the drafter (in each process).")
-@click.option("--fsdp", is_flag=True, help="Shard the drafter with FSDP instead of DDP.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="torch.compile each drafter layer, in each training process (masks are built eagerly).")
+@click.option("--fsdp", is_flag=True,
+              help="Shard the drafter with FSDP instead of DDP (GPUs only; eval and export gather the weights).")
 @click.option("--mixed-precision", type=click.Choice(["auto", "bf16", "no"]), default="auto", show_default=True)
 @click.option("--num-workers", type=click.IntRange(min=0), default=2, show_default=True, help="DataLoader workers.")
 @click.option("--processes", type=click.IntRange(min=1), default=None,

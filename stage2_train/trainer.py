@@ -111,6 +111,9 @@ class Trainer:
         if precision == "auto":
             precision = "bf16" if torch.cuda.is_available() else "no"
         plugins: dict[str, Any] = {}
+        if options.fsdp and not torch.cuda.is_available():
+            # Accelerate shards with FSDP only on GPUs; on CPU it would quietly train with DDP instead.
+            raise UserError("--fsdp needs CUDA GPUs (Accelerate has no FSDP on CPU); leave it out to train with DDP")
         if options.fsdp:
             from accelerate import FullyShardedDataParallelPlugin
 
@@ -166,7 +169,13 @@ class Trainer:
         self.scheduler = scheduler
         self.accelerator.register_for_checkpointing(self.scheduler)
         if options.compile:
-            self.model = torch.compile(self.model)
+            # Each decoder layer, compiled in place in this process: the mask building stays eager (its
+            # data-dependent indexing is cheap and made inductor fail on CPU when the whole drafter was compiled),
+            # and weight names, checkpoints and the export stay those of the uncompiled drafter.
+            layers = self.accelerator.unwrap_model(self.model).layers
+            for layer in layers:
+                layer.compile()
+            log.info("--compile: %d decoder layers compile on their first steps", len(layers))
         if options.resume:
             self._check_resumable()
         self.state = TrainState()
@@ -352,8 +361,9 @@ class Trainer:
         if self._checkpointed_step != self.state.step:  # --checkpoint-every may have just saved this step
             self.save_checkpoint()
         final = self._last_eval if self._evaluated_step == self.state.step else self.evaluate()
-        if self.accelerator.is_main_process:
-            export_draft(self.accelerator.unwrap_model(self.model), self.out / EXPORT_DIR, self.manifest)
+        whole = self._whole_drafter()
+        if whole is not None:
+            export_draft(whole, self.out / EXPORT_DIR, self.manifest)
             log.info("exported the drafter to %s (%.1f min)", self.out / EXPORT_DIR, (time.time() - started) / 60)
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
@@ -364,8 +374,8 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """Offline acceptance length on held-out sequences (main process; the others wait)."""
         result: dict[str, Any] = {}
-        if self.accelerator.is_main_process and self.index.eval:
-            model = self.accelerator.unwrap_model(self.model)
+        model = self._whole_drafter() if self.index.eval else None
+        if model is not None:
             was_training = model.training
             model.eval()
             with torch.no_grad(), self.accelerator.autocast():
@@ -384,6 +394,24 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         self._evaluated_step, self._last_eval = self.state.step, result
         return result
+
+    def _whole_drafter(self) -> DFlashDraftModel | None:
+        """The drafter with all of its weights on the main process (None on the others), to evaluate and export.
+
+        Under DDP every process holds the whole drafter. Under FSDP each holds a shard and every forward needs all
+        of them, so a forward on the main process alone would hang: the full weights are gathered (a collective:
+        every process calls this) into a plain copy on the main process."""
+        from accelerate.utils import DistributedType
+
+        main = self.accelerator.is_main_process
+        if self.accelerator.distributed_type != DistributedType.FSDP:
+            return self.accelerator.unwrap_model(self.model) if main else None
+        state = self.accelerator.get_state_dict(self.model)
+        if not main:
+            return None
+        whole = DFlashDraftModel(self.config, attn_implementation=self.options.attention)  # type: ignore[arg-type]
+        whole.load_state_dict(state)
+        return whole.to(self.device)
 
     def _drop_partial_metrics_line(self) -> None:
         """A run killed mid-write can leave half a line in metrics.jsonl: cut it before appending again."""

@@ -201,6 +201,29 @@ def test_resume_into_a_run_of_another_drafter_is_refused(train_cache: Path, tmp_
     assert json.loads((run / "draft_config.json").read_text())["block_size"] == 16  # the run is left as it was
 
 
+def test_compiled_layers_train_like_eager_ones(train_cache: Path, tmp_path: Path) -> None:
+    """--compile: each decoder layer through torch.compile (inductor, also on CPU) trains on the same data to the
+    same losses up to float noise, and the checkpoint and export keep the uncompiled weight names."""
+    args = ("--max-steps", "3", "--eval-every", "0", "--checkpoint-every", "0", *TRAIN_ARGS, "--eval-sequences", "1")
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    assert run_dflash("train", "--cache", str(train_cache), "--out", str(eager), *args).returncode == 0
+    result = run_dflash("train", "--cache", str(train_cache), "--out", str(compiled), *args, "--compile")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--compile: 1 decoder layers compile" in result.stderr
+    assert_same_training(compiled, eager, loss_rel=1e-4)
+    weights = [load_file(str(run / "export" / "model.safetensors")) for run in (compiled, eager)]
+    assert sorted(weights[0]) == sorted(weights[1]) == sorted(k for k in weights[1] if "_orig_mod" not in k)
+    for key in weights[1]:  # the export is bf16: a few elements of millions round to the neighbouring bf16 value
+        torch.testing.assert_close(weights[0][key], weights[1][key], rtol=2 ** -7, atol=1e-5, msg=key)
+
+
+def test_fsdp_without_gpus_is_refused(train_cache: Path, tmp_path: Path) -> None:
+    refused = run_dflash("train", "--cache", str(train_cache), "--out", str(tmp_path / "run"), "--fsdp",
+                         "--max-steps", "1")
+    assert refused.returncode == 2 and "--fsdp needs CUDA GPUs" in refused.stderr, refused.stderr[-2000:]
+    assert "Traceback" not in refused.stderr
+
+
 def test_train_refuses_a_damaged_cache_naming_the_shard(train_cache: Path, tmp_path: Path) -> None:
     import shutil
 
