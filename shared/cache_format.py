@@ -407,14 +407,21 @@ def encode_feature_rows(features: Any, feature_dtype: str, num_layers: int) -> A
     return torch.cat([bits, scales.contiguous().view(torch.uint8)], dim=1)
 
 
-def encoded_row_width(feature_dim: int, feature_dtype: str, num_layers: int) -> int:
-    """Elements per row of `encode_feature_rows`' output."""
-    return feature_dim if feature_dtype == "bf16" else feature_dim + 4 * num_layers
+def encoded_row_format(feature_dim: int, feature_dtype: str, num_layers: int) -> tuple[int, Any]:
+    """(elements, torch dtype) of a row of `encode_feature_rows`' output: bf16 -> (D, bfloat16); fp8 ->
+    (D + 4 L, uint8)."""
+    import torch
+
+    if feature_dtype == "bf16":
+        return feature_dim, torch.bfloat16
+    return feature_dim + 4 * num_layers, torch.uint8
 
 
 def stored_row_bytes(feature_dim: int, feature_dtype: str, num_layers: int) -> int:
-    """Bytes a token's features take in the cache (bf16: 2 per value; fp8: 1 per value + a float32 per layer)."""
-    return 2 * feature_dim if feature_dtype == "bf16" else feature_dim + 4 * num_layers
+    """Bytes a token's features take in the cache: exactly its encoded row (bf16: 2 per value; fp8: 1 per value
+    and a float32 scale per layer)."""
+    width, dtype = encoded_row_format(feature_dim, feature_dtype, num_layers)
+    return width * dtype.itemsize
 
 
 def split_fp8_rows(rows: np.ndarray, feature_dim: int) -> tuple[np.ndarray, np.ndarray]:

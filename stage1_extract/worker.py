@@ -23,7 +23,7 @@ import torch
 
 from shared.cache_format import (
     encode_feature_rows,
-    encoded_row_width,
+    encoded_row_format,
     shard_path,
     stored_row_bytes,
     write_status,
@@ -133,8 +133,7 @@ class ShardExtractor:
         self.oom_retries = 0
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.num_layers = len(config.layer_ids)
-        row_width = encoded_row_width(self.feature_dim, config.feature_dtype, self.num_layers)
-        row_dtype = torch.bfloat16 if config.feature_dtype == "bf16" else torch.uint8
+        row_width, row_dtype = encoded_row_format(self.feature_dim, config.feature_dtype, self.num_layers)
         self.pinned = PinnedSlots(4, self.batch_tokens, row_width, row_dtype) if device.type == "cuda" else None
 
     def tokenize(self, task: ShardTask) -> tuple[list[TokenizedSample], dict[str, int]]:

@@ -19,6 +19,20 @@ from tests.conftest import EXTRACT_ARGS, run_dflash
 E4M3_RELATIVE_STEP = 2.0**-4
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_encoded_rows_have_the_declared_format_and_split_back(dtype: str) -> None:
+    layers, hidden, tokens = 3, 16, 5
+    features = torch.randn(tokens, layers * hidden).to(torch.bfloat16)
+    rows = cf.encode_feature_rows(features, dtype, layers)
+    width, row_dtype = cf.encoded_row_format(layers * hidden, dtype, layers)
+    assert rows.shape == (tokens, width) and rows.dtype == row_dtype
+    assert cf.stored_row_bytes(layers * hidden, dtype, layers) == rows[0].numel() * rows.element_size()
+    if dtype == "fp8":
+        bits, scales = cf.split_fp8_rows(rows.numpy(), layers * hidden)
+        expected_bits, expected_scales = cf.quantize_fp8(features, layers)
+        assert np.array_equal(bits, expected_bits.numpy()) and np.array_equal(scales, expected_scales.numpy())
+
+
 @settings(max_examples=40, deadline=None)
 @given(tokens=st.integers(1, 40), layers=st.integers(1, 4), hidden=st.sampled_from([8, 64]),
        log_scale=st.floats(-6, 6), outlier=st.floats(0, 5), seed=st.integers(0, 2**16))
