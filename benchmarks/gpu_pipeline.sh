@@ -14,6 +14,9 @@
 #             fp8-vs-bf16 comparison); the bf16 run is the headline
 #   eval      dflash eval of each run on MT-Bench, HumanEval and the held-out split (one process each)
 #   bench     benchmarks/bench_train.py (loader vs in-memory, Qwen3-8B-shaped drafter)
+#   flags     the training options CPU tests cannot reach, on a small extracted ShareGPT slice: --fsdp (through
+#             torchrun, so that Accelerate forms a process group even for one GPU; then `dflash export --run`),
+#             --compile with SDPA and with flex, each against the same run without it -> $OUT/flags.json
 #   headline  generate, extract, train, eval (and probe beside generate when PROBE=1): the whole run, meant to be
 #             started detached (setsid) so that short device calls can poll $OUT while it runs
 # Figures and logs go to $OUT, stage times to $OUT/timings.tsv.
@@ -143,6 +146,38 @@ EOF
         ;;
     bench)
         timed bench_train python3 benchmarks/bench_train.py --out "$OUT" --steps 8
+        ;;
+    flags)
+        $DF extract --data "$WORK/sharegpt.jsonl.gz" --out "$WORK/cache_flags" --max-samples 600 --max-length 1024 \
+            >"$OUT/flags_extract.out" 2>&1
+        common="--cache $WORK/cache_flags --max-steps 40 --eval-every 40 --checkpoint-every 20 --batch-tokens 8192"
+        # shellcheck disable=SC2086
+        for variant in "sdpa:--attention sdpa" "sdpa_compile:--attention sdpa --compile" "flex:--attention flex" \
+            "flex_compile:--attention flex --compile"; do
+            timed "flags_${variant%%:*}" $DF train $common --out "$WORK/flags_${variant%%:*}" ${variant#*:} \
+                >"$OUT/flags_${variant%%:*}.out" 2>&1
+        done
+        # shellcheck disable=SC2086
+        timed flags_fsdp torchrun --nproc_per_node 1 -m shared.cli train $common --out "$WORK/flags_fsdp" \
+            --attention sdpa --fsdp >"$OUT/flags_fsdp.out" 2>&1
+        rm -rf "$WORK/flags_fsdp/export"
+        timed flags_fsdp_export $DF export --run "$WORK/flags_fsdp" >>"$OUT/flags_fsdp.out" 2>&1
+        python3 - "$WORK" "$OUT/flags.json" <<'EOF'
+import json, sys
+from pathlib import Path
+work, result = Path(sys.argv[1]), {}
+for run in sorted(p for p in work.glob("flags_*") if p.is_dir()):
+    if not (run / "metrics.jsonl").is_file():
+        result[run.name] = "no metrics"
+        continue
+    records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    steps = {r["step"]: r for r in records if "loss" in r}
+    result[run.name] = {"losses": [steps[s]["loss"] for s in sorted(steps)],
+                        "tau_walk": [r["eval/tau_walk"] for r in records if "eval/tau_walk" in r],
+                        "seconds": steps[max(steps)]["elapsed_s"] if steps else None,
+                        "export": (run / "export" / "model.safetensors").is_file()}
+json.dump(result, open(sys.argv[2], "w"), indent=1)
+EOF
         ;;
     headline)
         [ "$PROBE" = 1 ] && { "$0" probe >"$OUT/probe.out" 2>&1 & }

@@ -102,7 +102,7 @@ def cosine_with_warmup(total_steps: int, warmup_fraction: float) -> Any:
 class Trainer:
     def __init__(self, options: TrainOptions) -> None:
         from accelerate import Accelerator
-        from accelerate.utils import DistributedDataParallelKwargs, set_seed
+        from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
 
         self.options = options
         self.out = options.out.resolve()
@@ -126,6 +126,9 @@ class Trainer:
         main = self.accelerator.is_main_process
         setup_logging(self.out / f"train-rank{self.accelerator.process_index}.log" if not main else self.out / "train.log",
                       verbose=options.verbose, console=main)
+        if options.fsdp and self.accelerator.distributed_type != DistributedType.FSDP:
+            log.warning("--fsdp: Accelerate uses FSDP only in a process group (accelerate launch / torchrun, or "
+                        "--processes N); this single process trains unsharded")
         set_seed(options.seed)
         self.device = self.accelerator.device
         self.world = self.accelerator.num_processes
