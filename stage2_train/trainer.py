@@ -437,8 +437,6 @@ class Trainer:
 
 def export_checkpoint(run_dir: Path, checkpoint: Path | None = None, out: Path | None = None) -> Path:
     """Export the weights of a checkpoint (default: the latest complete one) of a run."""
-    from safetensors.torch import load_file
-
     from stage2_train.draft_model import DFlashConfig
 
     run_dir = run_dir.resolve()
@@ -451,14 +449,25 @@ def export_checkpoint(run_dir: Path, checkpoint: Path | None = None, out: Path |
         checkpoint = done[-1]
     config = DFlashConfig.from_dict(json.loads((run_dir / DRAFT_CONFIG_FILE).read_text()))
     model = DFlashDraftModel(config)
-    weights = checkpoint / "model.safetensors"
-    if not weights.is_file():
-        raise UserError(f"{checkpoint} holds no model.safetensors (an FSDP checkpoint? export it from the run)")
-    model.load_state_dict(load_file(str(weights)))
+    model.load_state_dict(_checkpoint_weights(checkpoint))
     manifest = json.loads((run_dir / CACHE_MANIFEST_FILE).read_text())
     out = out or run_dir / EXPORT_DIR
     export_draft(model, out, manifest)
     return out
+
+
+def _checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The drafter weights of an `accelerate save_state` folder: model.safetensors under DDP; under FSDP (full
+    state dict, Accelerate's default for FSDP1) the main process's torch.save file pytorch_model_fsdp.bin."""
+    from accelerate.utils.constants import FSDP_MODEL_NAME
+    from safetensors.torch import load_file
+
+    if (checkpoint / "model.safetensors").is_file():
+        return load_file(str(checkpoint / "model.safetensors"))
+    if (checkpoint / f"{FSDP_MODEL_NAME}.bin").is_file():
+        return torch.load(checkpoint / f"{FSDP_MODEL_NAME}.bin", map_location="cpu", weights_only=True)
+    raise UserError(f"{checkpoint} holds neither model.safetensors nor {FSDP_MODEL_NAME}.bin (a sharded FSDP "
+                    "checkpoint? its run's own export/ folder has the weights)")
 
 
 def run_training(options: TrainOptions) -> dict[str, Any]:

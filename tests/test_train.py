@@ -217,6 +217,48 @@ def test_compiled_layers_train_like_eager_ones(train_cache: Path, tmp_path: Path
         torch.testing.assert_close(weights[0][key], weights[1][key], rtol=2 ** -7, atol=1e-5, msg=key)
 
 
+def test_export_command_exports_the_latest_checkpoint_also_an_fsdp_one(train_cache: Path, tmp_path: Path) -> None:
+    """`dflash export --run`: the latest complete checkpoint, written by DDP (model.safetensors) or by FSDP
+    (Accelerate's full-state pytorch_model_fsdp.bin), becomes the same HF folder as the run's own export."""
+    from accelerate.utils.constants import FSDP_MODEL_NAME
+    from safetensors.torch import save_file
+
+    from stage2_train.trainer import CACHE_MANIFEST_FILE, DRAFT_CONFIG_FILE
+
+    config = DFlashConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, vocab_size=49152, block_size=16, num_target_layers=30,
+                          dflash_config={"mask_token_id": 16, "target_layer_ids": [1, 8, 14, 20, 27]})
+    torch.manual_seed(3)
+    states = {step: DFlashDraftModel(config).state_dict() for step in (1, 2)}
+    for layout in ("ddp", "fsdp"):
+        run = tmp_path / layout
+        (run / "checkpoints").mkdir(parents=True)
+        (run / DRAFT_CONFIG_FILE).write_text(json.dumps(config.to_dict()))
+        (run / CACHE_MANIFEST_FILE).write_text((train_cache / cf.MANIFEST_FILE).read_text())
+        for step, state in states.items():
+            folder = run / "checkpoints" / f"step-{step:08d}"
+            folder.mkdir()
+            if layout == "ddp":
+                save_file(state, str(folder / "model.safetensors"))
+            else:
+                torch.save(state, folder / f"{FSDP_MODEL_NAME}.bin")
+            (folder / "complete").write_text(str(step))
+        (run / "checkpoints" / "step-00000003").mkdir()  # an unfinished checkpoint (no `complete`) is passed over
+        result = run_dflash("export", "--run", str(run))
+        assert result.returncode == 0, result.stderr[-2000:]
+        exported = load_file(str(run / "export" / "model.safetensors"))
+        assert sorted(exported) == sorted(states[2])
+        for key, value in states[2].items():
+            assert torch.equal(exported[key], value.to(torch.bfloat16)), (layout, key)
+        assert json.loads((run / "export" / "config.json").read_text())["dflash_config"] == config.dflash_config
+    empty = tmp_path / "empty"
+    (empty / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (empty / "checkpoints" / "step-00000001" / "complete").write_text("1")
+    (empty / DRAFT_CONFIG_FILE).write_text(json.dumps(config.to_dict()))
+    refused = run_dflash("export", "--run", str(empty))
+    assert refused.returncode == 2 and "holds neither model.safetensors" in refused.stderr, refused.stderr[-2000:]
+
+
 def test_fsdp_without_gpus_is_refused(train_cache: Path, tmp_path: Path) -> None:
     refused = run_dflash("train", "--cache", str(train_cache), "--out", str(tmp_path / "run"), "--fsdp",
                          "--max-steps", "1")
