@@ -15,7 +15,8 @@
 #   eval      dflash eval of each run on MT-Bench, HumanEval and the held-out split (one process each)
 #   bench     benchmarks/bench_train.py (loader vs in-memory, Qwen3-8B-shaped drafter)
 #   flags     the training options CPU tests cannot reach, on a small extracted ShareGPT slice: --fsdp (through
-#             torchrun, so that Accelerate forms a process group even for one GPU; then `dflash export --run`),
+#             torch.distributed.run, one process per GPU, so that Accelerate forms a process group even for one
+#             GPU; then `dflash export --run`),
 #             --compile with SDPA and with flex, each against the same run without it -> $OUT/flags.json
 #   headline  generate, extract, train, eval (and probe beside generate when PROBE=1): the whole run, meant to be
 #             started detached (setsid) so that short device calls can poll $OUT while it runs
@@ -158,8 +159,11 @@ EOF
                 >"$OUT/flags_${variant%%:*}.out" 2>&1
         done
         # shellcheck disable=SC2086
-        timed flags_fsdp torchrun --nproc_per_node 1 -m shared.cli train $common --out "$WORK/flags_fsdp" \
-            --attention sdpa --fsdp >"$OUT/flags_fsdp.out" 2>&1
+        # One process per GPU (two processes cannot share one GPU under NCCL); with one GPU FSDP shards nothing
+        # (NO_SHARD) but still runs the plugin, the gathers for evaluation and export, and its checkpoint format.
+        gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+        timed flags_fsdp python3 -m torch.distributed.run --nproc_per_node "$gpus" -m shared.cli train $common \
+            --out "$WORK/flags_fsdp" --attention sdpa --fsdp >"$OUT/flags_fsdp.out" 2>&1
         rm -rf "$WORK/flags_fsdp/export"
         timed flags_fsdp_export $DF export --run "$WORK/flags_fsdp" >>"$OUT/flags_fsdp.out" 2>&1
         python3 - "$WORK" "$OUT/flags.json" <<'EOF'

@@ -25,7 +25,7 @@ from shared.errors import UserError
 from shared.logs import get_logger, setup_logging
 from stage2_train.acceptance import offline_acceptance
 from stage2_train.data import CacheBatches, CacheIndex, block_labels, eval_sequences, make_loader, plan_epoch
-from stage2_train.draft_model import DFlashDraftModel, config_from_target
+from stage2_train.draft_model import DFlashDecoderLayer, DFlashDraftModel, config_from_target
 from stage2_train.export import export_draft
 from stage2_train.loss import default_gamma, dflash_loss, position_weights, weight_sum
 from stage2_train.target_parts import load_target_parts, resolve_mask_token
@@ -115,9 +115,7 @@ class Trainer:
             # Accelerate shards with FSDP only on GPUs; on CPU it would quietly train with DDP instead.
             raise UserError("--fsdp needs CUDA GPUs (Accelerate has no FSDP on CPU); leave it out to train with DDP")
         if options.fsdp:
-            from accelerate import FullyShardedDataParallelPlugin
-
-            plugins["fsdp_plugin"] = FullyShardedDataParallelPlugin()
+            plugins["fsdp_plugin"] = fsdp_plugin(precision)
         # cpu=True on a machine without CUDA: Accelerate then forms a gloo process group from RANK/WORLD_SIZE.
         self.accelerator = Accelerator(mixed_precision=precision, project_dir=str(self.out),
                                        cpu=not torch.cuda.is_available(),
@@ -127,8 +125,9 @@ class Trainer:
         setup_logging(self.out / f"train-rank{self.accelerator.process_index}.log" if not main else self.out / "train.log",
                       verbose=options.verbose, console=main)
         if options.fsdp and self.accelerator.distributed_type != DistributedType.FSDP:
-            log.warning("--fsdp: Accelerate uses FSDP only in a process group (accelerate launch / torchrun, or "
-                        "--processes N); this single process trains unsharded")
+            log.warning("--fsdp: Accelerate did not enable FSDP (distributed type %s; it needs a GPU process group: "
+                        "accelerate launch, torchrun or --processes N), so the drafter trains unsharded",
+                        self.accelerator.distributed_type)
         set_seed(options.seed)
         self.device = self.accelerator.device
         self.world = self.accelerator.num_processes
@@ -361,10 +360,14 @@ class Trainer:
                 self.state.position = 0
                 continue
             break
+        if options.compile:
+            from torch._dynamo.utils import counters
+
+            log.info("--compile: %d graphs compiled", counters["stats"]["unique_graphs"])
         if self._checkpointed_step != self.state.step:  # --checkpoint-every may have just saved this step
             self.save_checkpoint()
-        final = self._last_eval if self._evaluated_step == self.state.step else self.evaluate()
-        whole = self._whole_drafter()
+        whole = self._whole_drafter()  # one gather under FSDP serves the final evaluation and the export
+        final = self._last_eval if self._evaluated_step == self.state.step else self._evaluate(whole)
         if whole is not None:
             export_draft(whole, self.out / EXPORT_DIR, self.manifest)
             log.info("exported the drafter to %s (%.1f min)", self.out / EXPORT_DIR, (time.time() - started) / 60)
@@ -376,9 +379,12 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         """Offline acceptance length on held-out sequences (main process; the others wait)."""
+        return self._evaluate(self._whole_drafter() if self.index.eval else None)
+
+    def _evaluate(self, model: DFlashDraftModel | None) -> dict[str, Any]:
+        """`evaluate` of the drafter a `_whole_drafter()` call of every process just gave (None off the main one)."""
         result: dict[str, Any] = {}
-        model = self._whole_drafter() if self.index.eval else None
-        if model is not None:
+        if model is not None and self.index.eval:
             was_training = model.training
             model.eval()
             with torch.no_grad(), self.accelerator.autocast():
@@ -412,9 +418,10 @@ class Trainer:
         state = self.accelerator.get_state_dict(self.model)
         if not main:
             return None
-        whole = DFlashDraftModel(self.config, attn_implementation=self.options.attention)  # type: ignore[arg-type]
+        with torch.device(self.device):  # not meta: the rotary inv_freq buffer is not in the state dict
+            whole = DFlashDraftModel(self.config, attn_implementation=self.options.attention)  # type: ignore[arg-type]
         whole.load_state_dict(state)
-        return whole.to(self.device)
+        return whole
 
     def _drop_partial_metrics_line(self) -> None:
         """A run killed mid-write can leave half a line in metrics.jsonl: cut it before appending again."""
@@ -454,6 +461,25 @@ def export_checkpoint(run_dir: Path, checkpoint: Path | None = None, out: Path |
     out = out or run_dir / EXPORT_DIR
     export_draft(model, out, manifest)
     return out
+
+
+def fsdp_plugin(precision: str) -> Any:
+    """Accelerate's FSDP plugin as dflash uses it, every setting pinned (an `accelerate config` file or FSDP_*
+    variables would otherwise change them): FSDP1 keeping the original parameters (so the AdamW built before
+    `prepare` updates the sharded weights, and compiled layers see plain parameters), one FSDP unit per decoder
+    layer (so a forward gathers one layer at a time), full-state checkpoints (what `dflash export --run` reads),
+    and under bf16 float32 gradient reduction and float32 buffers (the RoPE inverse frequencies must not be
+    rounded to bf16, as they are not under DDP or at inference)."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecision
+
+    policy = None
+    if precision == "bf16":
+        policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=1, use_orig_params=True, state_dict_type="FULL_STATE_DICT",
+        auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=[DFlashDecoderLayer.__name__],
+        mixed_precision_policy=policy)
 
 
 def _checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -212,9 +213,11 @@ def test_compiled_layers_train_like_eager_ones(train_cache: Path, tmp_path: Path
     result = run_dflash("train", "--cache", str(train_cache), "--out", str(compiled), *args, "--compile")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--compile: 1 decoder layers compile" in result.stderr
+    graphs = re.search(r"--compile: (\d+) graphs compiled", result.stderr)
+    assert graphs and int(graphs.group(1)) >= 1, result.stderr[-2000:]  # the layers really went through dynamo
     assert_same_training(compiled, eager, loss_rel=1e-4)
     weights = [load_file(str(run / "export" / "model.safetensors")) for run in (compiled, eager)]
-    assert sorted(weights[0]) == sorted(weights[1]) == sorted(k for k in weights[1] if "_orig_mod" not in k)
+    assert sorted(weights[0]) == sorted(weights[1])
     for key in weights[1]:  # the export is bf16: a few elements of millions round to the neighbouring bf16 value
         torch.testing.assert_close(weights[0][key], weights[1][key], rtol=2 ** -7, atol=1e-5, msg=key)
 
@@ -261,6 +264,7 @@ def test_export_command_exports_the_latest_checkpoint_also_an_fsdp_one(train_cac
     assert refused.returncode == 2 and "holds neither model.safetensors" in refused.stderr, refused.stderr[-2000:]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_fsdp_without_gpus_is_refused(train_cache: Path, tmp_path: Path) -> None:
     refused = run_dflash("train", "--cache", str(train_cache), "--out", str(tmp_path / "run"), "--fsdp",
                          "--max-steps", "1")
