@@ -13,8 +13,9 @@ context length C (``context_lengths`` holds each real length). A padded anchor b
 its softmax rows are never empty (no NaN) and, since no other block can see it, it never affects a valid block.
 
 One predicate (`_visible`) defines the rule. It is evaluated on broadcast index tensors for the dense boolean mask
-(eager / SDPA backends) and on scalar indices as a flex-attention ``mask_mod``, so both backends share one
-definition. An optional sliding window additionally requires ``q_position - k_position < window``.
+(the eager reference), for the grouped mask (SDPA: groups of blocks folded into the batch, so that a query scores
+the context and its own group's blocks rather than every block) and on scalar indices as a flex-attention
+``mask_mod``, so all backends share one definition. An optional sliding window additionally requires ``q_position - k_position < window``.
 """
 
 from __future__ import annotations
@@ -162,6 +163,54 @@ def batch_dense_mask(layout: AnchorLayout, sliding_window: int | None = None) ->
     q_idx = torch.arange(layout.num_queries, device=device)[None, :, None]
     kv_idx = torch.arange(layout.num_keys, device=device)[None, None, :]
     return _visible(layout, b, q_idx, kv_idx, sliding_window)
+
+
+@dataclass(frozen=True)
+class GroupedMask:
+    """The training mask cut into groups of consecutive blocks, for attention kernels without block sparsity.
+
+    A block never sees another block, so a group of G blocks needs only the context keys and its own G * Bk block
+    keys: attention runs per group over [C context keys; the group's block keys], with the groups folded into the
+    batch dimension. ``mask`` is [B * n_groups, 1, G * Bk, C + G * Bk] (True = attend), group-major inside each
+    sequence; the same `_visible` rule as the dense mask decides every entry.
+    """
+
+    mask: Tensor
+    context_len: int
+    queries_per_group: int
+
+
+def blocks_per_group(num_blocks: int, context_len: int, block_size: int) -> int:
+    """How many blocks share a group: about as many block keys as context keys (G * Bk ~ C), tiling the blocks.
+
+    Each query then scores at most ~2 C keys instead of C + A * Bk (for 512 anchors of 16 after 1,000 context
+    tokens: 1,512 instead of 9,192), while the per-group copies of the context keys and values stay within ~2x the
+    keys of the whole mask. Returns the largest divisor of ``num_blocks`` not above max(1, C // Bk).
+    """
+    limit = max(1, min(num_blocks, context_len // block_size))
+    return max(g for g in range(1, limit + 1) if num_blocks % g == 0)
+
+
+def grouped_dense_mask(
+    layout: AnchorLayout, sliding_window: int | None = None, num_blocks_per_group: int | None = None
+) -> GroupedMask:
+    """The DFlash mask of ``layout`` for grouped attention (see `GroupedMask`); the group size defaults to
+    `blocks_per_group` and must divide the number of blocks."""
+    _check_window(layout, sliding_window)
+    device, ctx_len = layout.device, layout.context_len
+    if num_blocks_per_group is None:
+        num_blocks_per_group = blocks_per_group(layout.num_blocks, ctx_len, layout.block_size)
+    if layout.num_blocks % num_blocks_per_group:
+        raise ValueError(f"{num_blocks_per_group} blocks per group do not tile {layout.num_blocks} blocks")
+    group_queries = num_blocks_per_group * layout.block_size
+    num_groups = layout.num_queries // group_queries
+    b = torch.arange(layout.batch_size, device=device)[:, None, None, None]
+    group_start = (torch.arange(num_groups, device=device) * group_queries)[None, :, None, None]
+    q_idx = group_start + torch.arange(group_queries, device=device)[None, None, :, None]
+    local_kv = torch.arange(ctx_len + group_queries, device=device)[None, None, None, :]
+    kv_idx = torch.where(local_kv < ctx_len, local_kv, local_kv + group_start)  # index into [context; all blocks]
+    mask = _visible(layout, b, q_idx, kv_idx, sliding_window)
+    return GroupedMask(mask.reshape(-1, 1, group_queries, ctx_len + group_queries), ctx_len, group_queries)
 
 
 def dense_mask(anchors: Sequence[int] | Tensor, seq_len: int, block_size: int) -> Tensor:

@@ -13,7 +13,8 @@ Parameter names equal the reference export (z-lab ``DFlashDraftModel``), without
 ``norm.weight``, ``fc.weight``, ``hidden_norm.weight``.
 
 Attention backends (all take the same mask specification and agree numerically):
-``eager`` (explicit softmax, the reference), ``sdpa`` (torch SDPA with a boolean mask) and ``flex``
+``eager`` (explicit softmax over the whole dense mask, the reference), ``sdpa`` (torch SDPA with a boolean mask;
+the training layout runs per group of blocks, see `grouped_attention`) and ``flex``
 (flex_attention with a BlockMask; compiled on CUDA, the unfused implementation elsewhere).
 """
 
@@ -34,8 +35,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from stage2_train.attention_masks import (
     AnchorLayout,
+    GroupedMask,
     batch_dense_mask,
     dense_to_block_mask,
+    grouped_dense_mask,
     make_block_mask,
     window_dense_mask,
 )
@@ -48,7 +51,7 @@ FLEX_MIN_HIDDEN_SIZE = 2048  # `auto` uses flex_attention on CUDA from this draf
 #   Tensor        -> explicit boolean mask [B, Q, C + Q] or [B, 1, Q, C + Q] (True = attend);
 #   BlockMask     -> a prebuilt flex mask (flex backend, full-attention layers only).
 MaskSpec = Union[None, AnchorLayout, Tensor, BlockMask]
-PreparedMask = Union[None, Tensor, BlockMask]
+PreparedMask = Union[None, Tensor, BlockMask, GroupedMask]
 
 
 # ---------------------------------------------------------------------------
@@ -263,6 +266,30 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, scale=scaling)
 
 
+def grouped_attention(
+    attend: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, groups: GroupedMask, scaling: float
+) -> Tensor:
+    """`attend` run per group of blocks (see `GroupedMask`): q [B, H, Q, D], k/v [B, H_kv, C + Q, D] -> [B, H, Q, D].
+
+    Written by hand because SDPA has no block sparsity: with the whole mask it would score every query against
+    every block, nearly all of it masked. Each group's keys are [the context; its own blocks]; the context keys
+    and values are copied once per group.
+    """
+    batch, heads, q_len, dim = q.shape
+    kv_heads, ctx_len, group = k.shape[1], groups.context_len, groups.queries_per_group
+    num_groups = q_len // group
+
+    def per_group(x: Tensor) -> Tensor:  # [B, h, n * G, D] -> [B * n, h, G, D]
+        return x.unflatten(2, (num_groups, group)).transpose(1, 2).flatten(0, 1)
+
+    def keys_per_group(x: Tensor) -> Tensor:  # [B, H_kv, C + n * G, D] -> [B * n, H_kv, C + G, D]
+        context = x[:, None, :, :ctx_len].expand(batch, num_groups, kv_heads, ctx_len, dim).flatten(0, 1)
+        return torch.cat([context, per_group(x[:, :, ctx_len:])], dim=2)
+
+    out = attend(per_group(q), keys_per_group(k), keys_per_group(v), groups.mask, scaling)
+    return out.unflatten(0, (batch, num_groups)).transpose(1, 2).flatten(2, 3)
+
+
 _compiled_flex_attention: Callable[..., Tensor] | None = None
 
 
@@ -330,7 +357,11 @@ class DFlashAttention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), *k_rope)
         v = v.transpose(1, 2)
 
-        out = ATTENTION_BACKENDS[backend](q, k, v, mask, self.scaling)
+        attend = ATTENTION_BACKENDS[backend]
+        if isinstance(mask, GroupedMask):
+            out = grouped_attention(attend, q, k, v, mask, self.scaling)
+        else:
+            out = attend(q, k, v, mask, self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
 
 
@@ -438,6 +469,8 @@ class DFlashDraftModel(nn.Module):
         if isinstance(spec, AnchorLayout):
             if backend == "flex":
                 return make_block_mask(spec, window)
+            if backend == "sdpa":
+                return grouped_dense_mask(spec, window)
             return batch_dense_mask(spec, window)[:, None]
         dense = None
         if spec is not None:

@@ -14,13 +14,18 @@ from hypothesis import strategies as st
 from stage2_train.attention_masks import (
     AnchorLayout,
     batch_dense_mask,
+    blocks_per_group,
     dense_mask,
+    grouped_dense_mask,
 )
 from stage2_train.draft_model import (
     DFlashConfig,
     DFlashDraftModel,
     config_from_target,
     default_target_layer_ids,
+    eager_attention,
+    grouped_attention,
+    sdpa_attention,
 )
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, BLOCK = 64, 4, 2, 2, 4
@@ -225,6 +230,71 @@ def test_dense_mask_properties(case) -> None:
         others = torch.ones(len(anchors), dtype=torch.bool)
         others[j] = False
         assert not block_part[:, others].any(), "cross-block entry"
+
+
+@st.composite
+def grouped_layouts(draw):
+    """A padded batch layout (random anchors, lengths, padding, block size) and a group size that tiles it."""
+    block = draw(st.integers(1, 5))
+    lengths = draw(st.lists(st.integers(1, 30), min_size=1, max_size=3))
+    num_blocks = draw(st.integers(1, 12))
+    anchor_lists = [sorted(draw(st.sets(st.integers(0, n - 1), max_size=min(n, num_blocks)))) for n in lengths]
+    context_len = max(lengths) + draw(st.integers(0, 3))
+    layout = AnchorLayout.from_anchor_lists(anchor_lists, lengths, block, num_blocks, context_len)
+    group = draw(st.sampled_from([g for g in range(1, num_blocks + 1) if num_blocks % g == 0]))
+    window = draw(st.sampled_from([None, block, block + 3]))
+    return layout, group, window
+
+
+@settings(max_examples=80, deadline=None)
+@given(grouped_layouts())
+def test_grouped_mask_is_the_dense_mask_without_other_groups(case) -> None:
+    """Each group's mask is the dense mask's rows for its queries over [context; its own blocks], and those rows
+    see no block of another group: dropping the other groups' keys loses nothing."""
+    layout, group, window = case
+    dense = batch_dense_mask(layout, window)  # [B, Q, C + Q]
+    grouped = grouped_dense_mask(layout, window, group)
+    ctx, per_group = layout.context_len, group * layout.block_size
+    num_groups = layout.num_queries // per_group
+    assert grouped.queries_per_group == per_group and grouped.context_len == ctx
+    masks = grouped.mask.view(layout.batch_size, num_groups, per_group, ctx + per_group)
+    for g in range(num_groups):
+        rows = dense[:, g * per_group : (g + 1) * per_group]
+        own = slice(ctx + g * per_group, ctx + (g + 1) * per_group)
+        assert torch.equal(masks[:, g], torch.cat([rows[:, :, :ctx], rows[:, :, own]], dim=2))
+        assert int(rows[:, :, ctx:].sum()) == int(rows[:, :, own].sum()), "a query sees another group's block"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 600), st.integers(0, 5000), st.integers(1, 32))
+def test_blocks_per_group_tiles_the_blocks_and_keeps_block_keys_near_the_context(num_blocks, context, block):
+    group = blocks_per_group(num_blocks, context, block)
+    assert num_blocks % group == 0 and 1 <= group <= num_blocks
+    assert group == 1 or group * block <= context  # no more block keys per group than context keys
+    assert all(num_blocks % g for g in range(group + 1, min(num_blocks, context // block) + 1))  # the largest
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 6])
+@pytest.mark.parametrize("window", [None, 6])
+def test_grouped_sdpa_equals_eager_attention_over_the_whole_mask(group: int, window: int | None) -> None:
+    """grouped_attention(SDPA) against the eager reference with the dense mask, GQA shapes, padded blocks."""
+    _, _, layout = make_batch(3, lengths=[30, 17], num_anchors=[5, 3], pad_blocks=1)  # 6 blocks of 4
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, HEADS, layout.num_queries, 16, generator=gen)
+    k, v = (torch.randn(2, KV_HEADS, layout.num_keys, 16, generator=gen) for _ in range(2))
+    reference = eager_attention(q, k, v, batch_dense_mask(layout, window)[:, None], 0.25)
+    grouped = grouped_attention(sdpa_attention, q, k, v, grouped_dense_mask(layout, window, group), 0.25)
+    torch.testing.assert_close(grouped, reference, atol=1e-5, rtol=0)
+
+
+def test_sdpa_drafter_with_several_groups_equals_eager() -> None:
+    """The whole drafter (two layers, one with a sliding window) where the default grouping makes 4 groups."""
+    config = make_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    features, embeddings, layout = make_batch(5, lengths=[9, 8], num_anchors=[7, 6], pad_blocks=1)  # C 9, 8 blocks
+    assert blocks_per_group(layout.num_blocks, layout.context_len, BLOCK) == 2
+    reference = run(make_model(config, "eager"), features, embeddings, layout)
+    torch.testing.assert_close(run(make_model(config, "sdpa"), features, embeddings, layout), reference,
+                               atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------------
