@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    if args.samples < args.batch * (args.steps + 1):  # the loader variant reads one first batch, then --steps
+        parser.error(f"--samples must be at least --batch x (--steps + 1) = {args.batch * (args.steps + 1)}")
     from stage2_train.loss import weight_sum
     from stage2_train.trainer import TrainOptions, Trainer
 

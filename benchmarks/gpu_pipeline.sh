@@ -13,7 +13,8 @@
 #             learning rate LR with the same --max-steps fitted to TRAIN_SECONDS (same data, same steps: the
 #             fp8-vs-bf16 comparison); the bf16 run is the headline
 #   eval      dflash eval of each run on MT-Bench, HumanEval and the held-out split (one process each)
-#   bench     benchmarks/bench_train.py (loader vs in-memory, Qwen3-8B-shaped drafter)
+#   bench     benchmarks/bench_train.py (loader vs in-memory, Qwen3-8B-shaped drafter; flex, then SDPA) and
+#             benchmarks/bench_grouped_attention.py (SDPA over the whole mask vs per group of blocks)
 #   flags     the training options CPU tests cannot reach, on a small extracted ShareGPT slice: --fsdp (through
 #             torch.distributed.run, one process per GPU, so that Accelerate forms a process group even for one
 #             GPU; then `dflash export --run`),
@@ -147,6 +148,12 @@ EOF
         ;;
     bench)
         timed bench_train python3 benchmarks/bench_train.py --out "$OUT" --steps 8
+        # SDPA over the whole mask vs per group of blocks: the headline drafter's shape, then Qwen3-8B's.
+        timed grouped_smollm2 python3 benchmarks/bench_grouped_attention.py --shape smollm2 --batch 16 \
+            --context 1024 --anchors 512 --out "$OUT"
+        timed grouped_qwen3 python3 benchmarks/bench_grouped_attention.py --shape qwen3-8b --batch 4 \
+            --context 3072 --anchors 512 --out "$OUT"
+        timed bench_train_sdpa python3 benchmarks/bench_train.py --attention sdpa --out "$OUT" --steps 8
         ;;
     flags)
         $DF extract --data "$WORK/sharegpt.jsonl.gz" --out "$WORK/cache_flags" --max-samples 600 --max-length 1024 \
