@@ -94,6 +94,54 @@ def step_flops(config, inputs: dict) -> float:  # type: ignore[no-untyped-def]
     return 4 * context * feature_dim * h + 3 * layers * per_layer + 2 * 2 * h * vocab * supervised
 
 
+# Where device time goes, by operator or kernel name (lower case, first match wins).
+PROFILE_CATEGORIES = (
+    ("attention", ("attention", "flex", "triton_tem", "fmha", "sdpa")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "gemm", "cutlass", "sm90_xmma", "nvjet")),
+    ("loss (log-softmax, gather)", ("log_softmax", "nll_loss", "logsumexp", "cross_entropy", "gather")),
+    ("copies and casts", ("copy", "aten::to", "aten::cat", "contiguous", "memcpy", "memset")),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+)
+
+
+def profile_steps(run_step, micro: dict, steps: int, device: torch.device) -> tuple[dict, str]:  # noqa: ANN001
+    """Profile ``steps`` in-memory steps: device (or, on CPU, operator) time by category, the share of the wall
+    time the device was busy, and the top-30 table by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    begin = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            run_step(micro)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - begin
+    events = prof.key_averages()
+    on_device = device.type == "cuda"
+
+    def self_time(event) -> float:  # noqa: ANN001 - microseconds
+        if on_device:
+            return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
+        return float(event.self_cpu_time_total)
+
+    by_category: dict[str, float] = {}
+    for event in events:
+        name = event.key.lower()
+        category = next((c for c, keys in PROFILE_CATEGORIES if any(k in name for k in keys)), "other")
+        by_category[category] = by_category.get(category, 0.0) + self_time(event)
+    total = sum(by_category.values())
+    summary = {
+        "profiled_steps": steps, "wall_s_per_step": wall / steps, "timed": "device kernels" if on_device else "cpu ops",
+        "busy_fraction": total / 1e6 / wall if on_device else None,
+        "share": {c: t / total for c, t in sorted(by_category.items(), key=lambda kv: -kv[1])},
+    }
+    sort_by = "self_cuda_time_total" if on_device else "self_cpu_time_total"
+    return summary, events.table(sort_by=sort_by, row_limit=30, max_name_column_width=70)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny model, to check the script on CPU")
@@ -103,6 +151,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--workers", type=int, default=6)
     parser.add_argument("--attention", default="auto", help="auto (flex on CUDA), flex, sdpa or eager")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="also profile this many in-memory steps: time by category and the top kernels")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -159,16 +209,23 @@ def main() -> None:
                          "block_tokens_per_s": block_tokens / seconds,
                          "samples_per_s": args.steps * args.batch / seconds}
         print(name, json.dumps(results[name]), flush=True)
+    name = f"{'tiny' if args.tiny else 'qwen3-8b'}_{args.attention}_{device.type}"
+    profile_summary = None
+    if args.profile:
+        profile_summary, table = profile_steps(run_step, first, args.profile, device)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"profile_{name}.txt").write_text(table + "\n")
+        print("profile", json.dumps(profile_summary), flush=True)
     summary = {"benchmark": "train", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "trainable_params": params,
                "attention": args.attention, "length": args.length, "batch": args.batch, "anchors": 512, "block_size": 16,
                "loader_workers": args.workers, "results": results,
                "loader_overhead": results["loader"]["step_s"] / results["memory"]["step_s"] - 1,
+               "profile": profile_summary,
                "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None}
     print(json.dumps(summary, indent=2))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"train_{'tiny' if args.tiny else 'qwen3-8b'}_{args.attention}_{device.type}.json").write_text(
-        json.dumps(summary, indent=2) + "\n")
+    (args.out / f"train_{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ EOF
         timed eval wait
         ;;
     bench)
-        timed bench_train python3 benchmarks/bench_train.py --out "$OUT" --steps 8
+        timed bench_train python3 benchmarks/bench_train.py --out "$OUT" --steps 8 --profile 3
         # SDPA over the whole mask vs per group of blocks: the headline drafter's shape, then Qwen3-8B's.
         timed grouped_smollm2 python3 benchmarks/bench_grouped_attention.py --shape smollm2 --batch 16 \
             --context 1024 --anchors 512 --out "$OUT"
