@@ -172,12 +172,20 @@ class GroupedMask:
     A block never sees another block, so a group of G blocks needs only the context keys and its own G * Bk block
     keys: attention runs per group over [C context keys; the group's block keys], with the groups folded into the
     batch dimension. ``mask`` is [B * n_groups, 1, G * Bk, C + G * Bk] (True = attend), group-major inside each
-    sequence; the same `_visible` rule as the dense mask decides every entry.
+    sequence; the same `_visible` rule as the dense mask decides every entry. The sizes are read from the mask's
+    shape (not stored as ints), so that compiled layers see shapes, which may be dynamic, rather than constants
+    to guard on.
     """
 
     mask: Tensor
-    context_len: int
-    queries_per_group: int
+
+    @property
+    def queries_per_group(self) -> int:
+        return self.mask.shape[2]
+
+    @property
+    def context_len(self) -> int:
+        return self.mask.shape[3] - self.mask.shape[2]
 
 
 def blocks_per_group(num_blocks: int, context_len: int, block_size: int) -> int:
@@ -210,7 +218,7 @@ def grouped_dense_mask(
     local_kv = torch.arange(ctx_len + group_queries, device=device)[None, None, None, :]
     kv_idx = torch.where(local_kv < ctx_len, local_kv, local_kv + group_start)  # index into [context; all blocks]
     mask = _visible(layout, b, q_idx, kv_idx, sliding_window)
-    return GroupedMask(mask.reshape(-1, 1, group_queries, ctx_len + group_queries), ctx_len, group_queries)
+    return GroupedMask(mask.reshape(-1, 1, group_queries, ctx_len + group_queries))
 
 
 def dense_mask(anchors: Sequence[int] | Tensor, seq_len: int, block_size: int) -> Tensor:
