@@ -2,8 +2,9 @@
 
 The training layout puts A blocks of Bk queries after C context keys. With the whole mask, SDPA scores every query
 against C + A * Bk keys although a block sees only the context before its anchor and its own Bk keys; grouped,
-each query scores C + G * Bk keys (G * Bk about C: `blocks_per_group`). Both run the drafter's forward and backward (no LM
-head) in the same process on random inputs; the outputs are compared too. Speed does not depend on weight values.
+each query scores C + G * Bk keys (G from `blocks_per_group`). Both run the drafter's forward and backward (no LM
+head) in the same process on random inputs; outputs and parameter gradients are compared too. Speed does not depend
+on weight values.
 
     python benchmarks/bench_grouped_attention.py --shape smollm2 --anchors 512 --context 1024 --layers 5
 """
@@ -63,8 +64,10 @@ def main() -> None:
 
     variants = {"whole mask": lambda: batch_dense_mask(layout), "grouped": lambda: layout}
     results: dict[str, dict] = {}
-    outputs = {}
+    outputs, gradients = {}, {}
     for name, mask_of in variants.items():
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         times = []
         for step in range(args.steps + 1):
             model.zero_grad(set_to_none=True)
@@ -76,10 +79,9 @@ def main() -> None:
             if step:
                 times.append(time.perf_counter() - start)
         outputs[name] = out.detach().float()
+        gradients[name] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
         peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
         results[name] = {"s_per_step": statistics.median(times), "steps": times, "peak_gb": peak}
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
         print(f"{name}: {results[name]['s_per_step']:.3f} s/step", flush=True)
 
     whole, grouped = outputs["whole mask"], outputs["grouped"]
@@ -93,11 +95,14 @@ def main() -> None:
         "speedup": results["whole mask"]["s_per_step"] / results["grouped"]["s_per_step"],
         "max_abs_difference": float((whole - grouped).abs().max()),
         "max_abs_output": float(whole.abs().max()),
+        "max_abs_gradient_difference": float((gradients["whole mask"] - gradients["grouped"]).abs().max()),
+        "max_abs_gradient": float(gradients["whole mask"].abs().max()),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"grouped_attention_{args.shape}_{device.type}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({k: record[k] for k in ("keys_per_query", "speedup", "max_abs_difference")}), f"-> {path}")
+    shown = ("keys_per_query", "speedup", "max_abs_difference", "max_abs_gradient_difference")
+    print(json.dumps({k: record[k] for k in shown}), f"-> {path}")
 
 
 if __name__ == "__main__":

@@ -272,21 +272,22 @@ def grouped_attention(
     """`attend` run per group of blocks (see `GroupedMask`): q [B, H, Q, D], k/v [B, H_kv, C + Q, D] -> [B, H, Q, D].
 
     Written by hand because SDPA has no block sparsity: with the whole mask it would score every query against
-    every block, nearly all of it masked. Each group's keys are [the context; its own blocks]; the context keys
-    and values are copied once per group.
+    every block, nearly all of it masked. Each group's keys are [the context; its own blocks], built by one
+    concatenation of broadcast views per k and v, with the KV heads already expanded to the query heads (so `attend`
+    copies nothing more); autograd sums the context's gradient over the groups.
     """
     batch, heads, q_len, dim = q.shape
     kv_heads, ctx_len, group = k.shape[1], groups.context_len, groups.queries_per_group
-    num_groups = q_len // group
+    num_groups, n_rep = q_len // group, heads // kv_heads
 
-    def per_group(x: Tensor) -> Tensor:  # [B, h, n * G, D] -> [B * n, h, G, D]
-        return x.unflatten(2, (num_groups, group)).transpose(1, 2).flatten(0, 1)
+    def keys_per_group(x: Tensor) -> Tensor:  # [B, H_kv, C + n * G, D] -> [B * n, H, C + G, D]
+        shape = (batch, num_groups, kv_heads, n_rep)
+        context = x[:, None, :, None, :ctx_len].expand(*shape, ctx_len, dim)
+        blocks = x[:, :, ctx_len:].unflatten(2, (num_groups, group)).transpose(1, 2)[:, :, :, None]
+        return torch.cat([context, blocks.expand(*shape, group, dim)], dim=4).reshape(-1, heads, ctx_len + group, dim)
 
-    def keys_per_group(x: Tensor) -> Tensor:  # [B, H_kv, C + n * G, D] -> [B * n, H_kv, C + G, D]
-        context = x[:, None, :, :ctx_len].expand(batch, num_groups, kv_heads, ctx_len, dim).flatten(0, 1)
-        return torch.cat([context, per_group(x[:, :, ctx_len:])], dim=2)
-
-    out = attend(per_group(q), keys_per_group(k), keys_per_group(v), groups.mask, scaling)
+    queries = q.unflatten(2, (num_groups, group)).transpose(1, 2).flatten(0, 1)  # [B * n, H, G, D]
+    out = attend(queries, keys_per_group(k), keys_per_group(v), groups.mask, scaling)
     return out.unflatten(0, (batch, num_groups)).transpose(1, 2).flatten(2, 3)
 
 
