@@ -444,6 +444,8 @@ class DFlashDraftModel(nn.Module):
             # Measured on an H200 (benchmarks/results): flex's block-sparse kernels win for large drafters (hidden
             # 4096: 0.755 vs 1.041 s/step) and lose for small ones, whose steps are short next to flex's fixed
             # costs (hidden 576: 0.204 vs 0.065 s/step, plus ~70 s of mask compilation per new anchor count).
+            # Both measured with SDPA over the whole mask; grouped SDPA (`grouped_attention`) is not yet measured
+            # on a GPU, so the threshold may move (benchmarks/gpu_pipeline.sh bench).
             large = self.config.hidden_size >= FLEX_MIN_HIDDEN_SIZE
             return "flex" if device.type == "cuda" and large else "sdpa"
         if self.attn_implementation not in ATTENTION_BACKENDS:
