@@ -15,7 +15,8 @@ its softmax rows are never empty (no NaN) and, since no other block can see it, 
 One predicate (`_visible`) defines the rule. It is evaluated on broadcast index tensors for the dense boolean mask
 (the eager reference), for the grouped mask (SDPA: groups of blocks folded into the batch, so that a query scores
 the context and its own group's blocks rather than every block) and on scalar indices as a flex-attention
-``mask_mod``, so all backends share one definition. An optional sliding window additionally requires ``q_position - k_position < window``.
+``mask_mod``, so all backends share one definition. An optional sliding window additionally requires
+``q_position - k_position < window``.
 """
 
 from __future__ import annotations
@@ -172,9 +173,9 @@ class GroupedMask:
     A block never sees another block, so a group of G blocks needs only the context keys and its own G * Bk block
     keys: attention runs per group over [C context keys; the group's block keys], with the groups folded into the
     batch dimension. ``mask`` is [B * n_groups, 1, G * Bk, C + G * Bk] (True = attend); row b * n_groups + g holds
-    group g of sequence b. The same `_visible` rule as the dense mask decides every entry. The sizes are read from the mask's
-    shape (not stored as ints), so that compiled layers see shapes, which may be dynamic, rather than constants
-    to guard on.
+    group g of sequence b. The same `_visible` rule as the dense mask decides every entry. The sizes are read from
+    the mask's shape (not stored as ints), so that compiled layers see shapes, which may be dynamic, rather than
+    constants to guard on.
     """
 
     mask: Tensor
@@ -191,17 +192,24 @@ class GroupedMask:
 # The grouped keys (the context copied per group plus every group's block keys) may be at most this many times the
 # keys of the whole mask (C + A * Bk), which the ungrouped SDPA kept.
 MAX_GROUPED_KEYS_RATIO = 2
+# Below this many block keys per sequence (A * Bk) the copies cost more than the masked keys they save: one group.
+# Measured on 2 CPU cores (benchmarks/bench_grouped_attention.py, 448 context tokens, batch 4): 16 anchors of 16
+# 0.96x, 32 anchors 1.10x, 128 anchors 1.44x; 512 anchors after 1,024 tokens 2.7x.
+MIN_GROUPED_BLOCK_KEYS = 512
 
 
 def blocks_per_group(num_blocks: int, context_len: int, block_size: int) -> int:
     """How many consecutive blocks share a group: the fewest (so that each query scores the fewest keys, C + G * Bk)
     whose groups tile the blocks and whose keys, (A / G) * (C + G * Bk), stay within MAX_GROUPED_KEYS_RATIO times
-    the whole mask's C + A * Bk. G = A (one group: the whole mask) always qualifies, e.g. for a prime A.
+    the whole mask's C + A * Bk. G = A (one group: the whole mask) always qualifies, e.g. for a prime A, and is
+    the answer below MIN_GROUPED_BLOCK_KEYS block keys.
 
     For 512 anchors of 16 after 1,000 context tokens: G = 64, 2,024 keys per query instead of 9,192, and 1.76x the
     whole mask's keys in the copies.
     """
     whole = context_len + num_blocks * block_size
+    if num_blocks * block_size < MIN_GROUPED_BLOCK_KEYS:
+        return max(num_blocks, 1)
     for group in range(1, num_blocks + 1):
         copies = (num_blocks // group) * (context_len + group * block_size)
         if num_blocks % group == 0 and copies <= MAX_GROUPED_KEYS_RATIO * whole:

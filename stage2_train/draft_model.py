@@ -37,6 +37,7 @@ from stage2_train.attention_masks import (
     AnchorLayout,
     GroupedMask,
     batch_dense_mask,
+    blocks_per_group,
     dense_to_block_mask,
     grouped_dense_mask,
     make_block_mask,
@@ -472,9 +473,10 @@ class DFlashDraftModel(nn.Module):
         if isinstance(spec, AnchorLayout):
             if backend == "flex":
                 return make_block_mask(spec, window)
-            if backend == "sdpa":
+            several_groups = blocks_per_group(spec.num_blocks, spec.context_len, spec.block_size) < spec.num_blocks
+            if backend == "sdpa" and several_groups:
                 return grouped_dense_mask(spec, window)
-            return batch_dense_mask(spec, window)[:, None]
+            return batch_dense_mask(spec, window)[:, None]  # eager, or one group: the whole mask
         dense = None
         if spec is not None:
             dense = spec.bool() if spec.dim() == 3 else spec.bool()[:, 0]

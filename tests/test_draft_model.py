@@ -11,8 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stage2_train import attention_masks
 from stage2_train.attention_masks import (
     MAX_GROUPED_KEYS_RATIO,
+    MIN_GROUPED_BLOCK_KEYS,
     AnchorLayout,
     batch_dense_mask,
     blocks_per_group,
@@ -275,6 +277,9 @@ def test_blocks_per_group_is_the_smallest_tiling_group_within_the_key_budget(num
 
     group = blocks_per_group(num_blocks, context, block)
     assert num_blocks % group == 0 and 1 <= group <= num_blocks
+    if num_blocks * block < MIN_GROUPED_BLOCK_KEYS:
+        assert group == num_blocks  # too few block keys to be worth the copies: the whole mask
+        return
     assert copies(group) <= MAX_GROUPED_KEYS_RATIO * (context + num_blocks * block)
     assert not any(num_blocks % g == 0 and copies(g) <= MAX_GROUPED_KEYS_RATIO * (context + num_blocks * block)
                    for g in range(1, group))
@@ -283,7 +288,8 @@ def test_blocks_per_group_is_the_smallest_tiling_group_within_the_key_budget(num
 def test_blocks_per_group_examples() -> None:
     assert blocks_per_group(512, 1000, 16) == 64  # 2,024 keys per query instead of 9,192
     assert blocks_per_group(509, 1024, 16) == 509  # a prime count: one group, the whole mask
-    assert blocks_per_group(16, 448, 16) == 8  # the `make all` drafter
+    assert blocks_per_group(16, 448, 16) == 16  # the `make all` drafter: one group, the whole mask
+    assert blocks_per_group(32, 448, 16) == 16
 
 
 @pytest.mark.parametrize(("block", "heads", "kv_heads"), [(4, 4, 2), (1, 3, 1), (3, 2, 2)])
@@ -314,11 +320,12 @@ def test_grouped_sdpa_equals_eager_attention_over_the_whole_mask(block: int, hea
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m: f"{name}, group {group}: {m}")
 
 
-def test_sdpa_drafter_with_several_groups_equals_eager() -> None:
+def test_sdpa_drafter_with_several_groups_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole drafter (two layers, one with a sliding window) where the default grouping makes 4 groups: the
     same output and parameter gradients as eager attention over the whole mask."""
     config = make_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
     features, embeddings, layout = make_batch(5, lengths=[9, 8], num_anchors=[7, 6], pad_blocks=1)  # C 9, 8 blocks
+    monkeypatch.setattr(attention_masks, "MIN_GROUPED_BLOCK_KEYS", 1)  # group even this tiny batch
     assert blocks_per_group(layout.num_blocks, layout.context_len, BLOCK) == 2
     upstream = torch.randn(2, layout.num_queries, HIDDEN, generator=torch.Generator().manual_seed(1))
     results = {}
