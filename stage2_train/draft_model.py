@@ -473,9 +473,10 @@ class DFlashDraftModel(nn.Module):
         if isinstance(spec, AnchorLayout):
             if backend == "flex":
                 return make_block_mask(spec, window)
-            several_groups = blocks_per_group(spec.num_blocks, spec.context_len, spec.block_size) < spec.num_blocks
-            if backend == "sdpa" and several_groups:
-                return grouped_dense_mask(spec, window)
+            if backend == "sdpa":
+                group = blocks_per_group(spec.num_blocks, spec.context_len, spec.block_size)
+                if group < spec.num_blocks:
+                    return grouped_dense_mask(spec, window, group)
             return batch_dense_mask(spec, window)[:, None]  # eager, or one group: the whole mask
         dense = None
         if spec is not None:

@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import zarr
 
+from shared import cache_format as cf
+
 ARRAYS = ("features", "input_ids", "loss_mask", "offsets", "sample_index", "sample_id")
 
 
@@ -33,14 +35,9 @@ BATCHING_MEAN_RELATIVE = 0.03
 BATCHING_WORST_RELATIVE = 0.2
 
 
-def bf16_rows(bits: np.ndarray) -> np.ndarray:
-    """Stored bf16 bit patterns (uint16) -> float32 values."""
-    return (bits.astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
 def assert_features_close(a: np.ndarray, b: np.ndarray, layers: int, what: str) -> None:
     """Features of two batchings of the same samples agree within bf16 rounding (see BATCHING_*_RELATIVE)."""
-    x, y = bf16_rows(a).reshape(len(a), layers, -1), bf16_rows(b).reshape(len(b), layers, -1)
+    x, y = (cf.bf16_view(rows).float().numpy().reshape(len(rows), layers, -1) for rows in (a, b))
     relative = np.linalg.norm(x - y, axis=-1) / np.maximum(np.linalg.norm(x, axis=-1), 1e-6)  # [tokens, layers]
     assert relative.mean(axis=0).max() <= BATCHING_MEAN_RELATIVE, f"{what}: mean {relative.mean(axis=0)}"
     assert relative.max() <= BATCHING_WORST_RELATIVE, f"{what}: worst token {relative.max(axis=0)}"
