@@ -36,7 +36,7 @@ GEN_SECONDS=${GEN_SECONDS:-450}
 NEW_TOKENS=${NEW_TOKENS:-512}
 GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 4 --batch-tokens 524288 --chunk-size 256}
 MAX_LENGTH=${MAX_LENGTH:-2048}
-TRAIN_SECONDS=${TRAIN_SECONDS:-540}
+TRAIN_SECONDS=${TRAIN_SECONDS:-540}  # or TRAIN_END, below
 TRAIN_FLAGS=${TRAIN_FLAGS:---attention sdpa --eval-every 200 --checkpoint-every 200 --batch-tokens 16384 --num-workers 4}
 LR=${LR:-6e-4}
 DTYPES=${DTYPES:-bf16 fp8}
@@ -131,6 +131,9 @@ EOF
                 --eval-every 0 --checkpoint-every 0 >"$OUT/calib_$dtype.log" 2>&1 &
         done
         timed calibrate wait
+        # TRAIN_END (epoch seconds): train until then instead of for TRAIN_SECONDS, so that time the earlier
+        # stages left over goes to training.
+        [ -n "${TRAIN_END:-}" ] && TRAIN_SECONDS=$((TRAIN_END - $(date +%s)))
         steps=$(python3 - "$TRAIN_SECONDS" "$WORK"/calib_* <<'EOF'
 import json, sys
 budget, runs = float(sys.argv[1]), sys.argv[2:]
