@@ -62,10 +62,10 @@ def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None)
               help="Worker processes. Default: one per GPU; 1 on a CPU-only machine (cores are split between them).")
 @click.option("--batch-tokens", type=click.IntRange(min=16), default=None,
               help="Padded tokens per forward batch. Default 32768 on GPU, 4096 on CPU; halved automatically on OOM.")
-@click.option("--feature-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
-              help="How features are stored: bf16 (exact), or fp8 e4m3 with one float32 scale per token and layer "
-                   "(half the bytes; quantized on the GPU, dequantized by stage 2 on the GPU). README 'fp8 features' "
-                   "compares the drafters they train.")
+@click.option("--feature-dtype", type=click.Choice(["fp8", "bf16"]), default="fp8", show_default=True,
+              help="How features are stored: fp8 e4m3 with one float32 scale per token and layer (half the bytes of "
+                   "bf16; quantized on the GPU, dequantized by stage 2 on the GPU), or bf16 (exact). Drafters trained "
+                   "on either reached the same acceptance (README 'fp8 features').")
 @click.option("--overwrite", is_flag=True,
               help="Redo the selected shards even if complete; discard the cache if its settings differ.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug messages on the console.")
@@ -73,7 +73,7 @@ def extract_command(**kwargs: object) -> None:
     """Stage 1: run the frozen target over chat data and cache its hidden states.
 
     One worker process per GPU (or --workers processes on CPU) takes shards from a queue; each shard becomes
-    one Zarr v3 store of the captured layers' features (bf16 or fp8), token ids and loss masks. The target's config,
+    one Zarr v3 store of the captured layers' features (fp8 or bf16), token ids and loss masks. The target's config,
     tokenizer, embedding and LM head go to the cache's target/ folder for stage 2. A rerun of the same
     command resumes: finished shards are skipped, unfinished ones are redone. Follow a run from another shell
     with `dflash status --cache DIR`.

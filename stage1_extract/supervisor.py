@@ -60,7 +60,7 @@ class ExtractOptions:
     only_shards: str | None = None
     workers: int | None = None
     batch_tokens: int | None = None
-    feature_dtype: str = "bf16"
+    feature_dtype: str = "fp8"  # the CLI default (README "fp8 features")
     overwrite: bool = False
     verbose: bool = False
 

@@ -71,7 +71,8 @@ def assert_same_training(run: Path, reference: Path, loss_rel: float) -> None:
     assert {s: r["loss"] for s, r in got.items()} == pytest.approx({s: r["loss"] for s, r in want.items()}, rel=loss_rel)
 
 
-EXTRACT_ARGS = ("--max-length", "96", "--shards", "3", "--batch-tokens", "256")
+# bf16 features: the tests compare them bit for bit with transformers forwards and with each other.
+EXTRACT_ARGS = ("--max-length", "96", "--shards", "3", "--batch-tokens", "256", "--feature-dtype", "bf16")
 
 
 @pytest.fixture(scope="session")

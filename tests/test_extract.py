@@ -197,7 +197,8 @@ def _done_shards(cache: Path) -> int:
 
 
 # Small batches: more of them per shard, so that a signal sent after the first shard lands before the last one.
-SMALL_BATCH_ARGS = ("--max-length", "96", "--shards", "3", "--batch-tokens", "96")
+SMALL_BATCH_ARGS = ("--max-length", "96", "--shards", "3", "--batch-tokens", "96",
+                    "--feature-dtype", "bf16")
 
 
 @pytest.fixture(scope="module")
@@ -352,5 +353,6 @@ def test_embedded_default_end_to_end(tmp_path: Path) -> None:
     summary = json.loads(inspect.stdout)
     assert summary["verify"]["ok"] and summary["complete"]
     assert summary["samples"] + sum(v for k, v in summary["skipped"].items()) >= 6
-    assert summary["bytes_per_token"] == 5 * 576 * 2
+    assert manifest["identity"]["feature_dtype"] == "fp8"  # the default: e4m3 bytes + a float32 scale per layer
+    assert summary["bytes_per_token"] == 5 * 576 + 4 * 5
     assert (out / "extract.log").read_text().count("dflash extract starting") == 1

@@ -103,8 +103,8 @@ def test_fp8_store_round_trip_equals_the_quantizer(tmp_path_factory: pytest.Temp
 @pytest.fixture(scope="module")
 def fp8_cache(tmp_path_factory: pytest.TempPathFactory, chat_jsonl: Path) -> Path:
     out = tmp_path_factory.mktemp("fp8_cache") / "cache"
-    run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", "--feature-dtype", "fp8",
-               *EXTRACT_ARGS, check=True)
+    run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS,
+               "--feature-dtype", "fp8", check=True)  # after EXTRACT_ARGS' bf16: the last one counts
     return out
 
 
