@@ -116,7 +116,10 @@ def test_extract_survives_a_random_kill(baseline_cache: Path, chat_jsonl: Path, 
     victim, how = rng.choice(["worker", "supervisor"]), rng.choice([signal.SIGKILL, signal.SIGTERM])
     time.sleep(rng.uniform(1.0, 12.0))
     if victim == "worker" and (out / "status" / "worker-0.json").is_file():
-        os.kill(json.loads((out / "status" / "worker-0.json").read_text())["pid"], how)
+        try:
+            os.kill(json.loads((out / "status" / "worker-0.json").read_text())["pid"], how)
+        except ProcessLookupError:  # the worker had already finished its shards and exited: nothing to kill
+            victim = "worker (already exited)"
     elif process.poll() is None:
         process.send_signal(how)
     process.wait(timeout=120)
@@ -173,7 +176,10 @@ def test_generate_survives_a_random_kill(chat_jsonl: Path, tmp_path_factory: pyt
     victim, how = rng.choice(["worker", "supervisor"]), rng.choice([signal.SIGKILL, signal.SIGTERM])
     time.sleep(rng.uniform(1.0, 20.0))
     if victim == "worker" and (out / "status" / "worker-0.json").is_file():
-        os.kill(json.loads((out / "status" / "worker-0.json").read_text())["pid"], how)
+        try:
+            os.kill(json.loads((out / "status" / "worker-0.json").read_text())["pid"], how)
+        except ProcessLookupError:  # the worker had already finished its shards and exited: nothing to kill
+            victim = "worker (already exited)"
     elif process.poll() is None:
         process.send_signal(how)
     process.wait(timeout=120)
