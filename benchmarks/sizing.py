@@ -6,7 +6,7 @@ Measured inputs (read from --results, nothing else is measured here):
                                       rate (the bound of that run: the local disk)
   train_qwen3-8b_<attention>_cuda.json one H200, Qwen3-8B-shaped drafter (5 layers, hidden 4096), block 16, 512
                                       anchors, length 3072, batch 4, fed by the cache loader: samples/s
-  h200_headline/inspect.json          the real SmolLM2 cache: mean sample length and loss-token fraction of
+  h200_headline/inspect_bf16.json     the real SmolLM2 cache: mean sample length and loss-token fraction of
                                       regenerated ShareGPT first turns (the default data profile)
 
 Models (everything for other targets is extrapolated from the Qwen3-8B-shaped measurements):
@@ -138,7 +138,7 @@ def load_rates(results: Path, attention: str = "flex", fed_from: str = "loader")
     runs = extract["runs"]
     train = json.loads((results / f"train_qwen3-8b_{attention}_cuda.json").read_text())
     # inspect.json holds `dflash inspect --json` output followed by a line the pipeline script appended
-    inspect, _ = json.JSONDecoder().raw_decode((results / "h200_headline" / "inspect.json").read_text())
+    inspect, _ = json.JSONDecoder().raw_decode((results / "h200_headline" / "inspect_bf16.json").read_text())
     mean = lambda key: sum(run[key] for run in runs) / len(runs)  # noqa: E731
     return Rates(
         capture_tok_s=mean("capture_only_tok_s"),
@@ -275,10 +275,10 @@ def markdown(rows: list[Row]) -> str:
 
 def headline_extract_check(rates: Rates, results: Path) -> tuple[float, float] | None:
     """(measured, predicted) extraction tokens/s of the real SmolLM2-135M run on the H200 (time inside the shard,
-    from h200_headline/extract.log), or None when the log is missing: the model's error on a tiny target."""
+    from h200_headline/extract_bf16.log), or None when the log is missing: the model's error on a tiny target."""
     import re
 
-    log = results / "h200_headline" / "extract.log"
+    log = results / "h200_headline" / "extract_bf16.log"
     if not log.exists():
         return None
     match = re.search(r"shard \d+ done: \d+ samples, (\d+) tokens, .*?([\d.]+) s$", log.read_text(), re.M)
@@ -317,7 +317,7 @@ def measured_summary(rates: Rates, results: Path) -> str:
         " an upper bound)",
         "Everything else is extrapolated (see the module docstring for the formulas).",
     ] + ([] if check is None else [
-        f"Check on the one other target measured on the H200 (SmolLM2-135M, h200_headline/extract.log, time inside"
+        f"Check on the one other target measured on the H200 (SmolLM2-135M, h200_headline/extract_bf16.log, time inside"
         f" the shard): measured {check[0]:,.0f} tok/s, this model predicts {check[1]:,.0f} tok/s (tiny targets are"
         " bound by per-batch overhead, which the model does not have)."]))
 

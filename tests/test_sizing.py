@@ -88,15 +88,17 @@ def test_fp8_cache_is_about_half_of_bf16() -> None:
 
 
 def test_predicted_cache_size_matches_the_measured_smollm2_cache() -> None:
-    inspect = _json(HEADLINE / "inspect.json")
-    disk = [int(line.split("\t")[0]) for line in (HEADLINE / "timings.tsv").read_text().splitlines()
-            if re.fullmatch(r"\d+\t\S*cache", line)]
-    assert disk == [9198862466]
-    data = sizing.Data("headline", inspect["tokens"], inspect["tokens"] / inspect["samples"], 0.5)
-    assert inspect["layer_ids"] == sizing.default_layer_ids(sizing.SMOLLM2.layers, 5)
-    assert inspect["feature_bytes"] == inspect["tokens"] * sizing.feature_bytes_per_token(sizing.SMOLLM2, "bf16")
-    predicted = sizing.cache_bytes(sizing.SMOLLM2, data, "bf16")
-    assert abs(predicted / disk[0] - 1) < 0.002, predicted  # the rest: zarr metadata, shard indexes, tokenizer
+    # `du -sb` of the H200 run's two caches of the same conversations, as the pipeline logged them
+    disk = {match.group(2): int(match.group(1)) for line in (HEADLINE / "timings.tsv").read_text().splitlines()
+            if (match := re.fullmatch(r"(\d+)\t\S*cache_(bf16|fp8)", line))}
+    assert disk == {"bf16": 10340185689, "fp8": 5271924818}
+    for dtype, size in disk.items():
+        inspect = _json(HEADLINE / f"inspect_{dtype}.json")
+        data = sizing.Data("headline", inspect["tokens"], inspect["tokens"] / inspect["samples"], 0.5)
+        assert inspect["layer_ids"] == sizing.default_layer_ids(sizing.SMOLLM2.layers, 5)
+        assert inspect["feature_bytes"] == inspect["tokens"] * sizing.feature_bytes_per_token(sizing.SMOLLM2, dtype)
+        predicted = sizing.cache_bytes(sizing.SMOLLM2, data, dtype)
+        assert abs(predicted / size - 1) < 0.002, (dtype, predicted)  # the rest: zarr metadata, indexes, tokenizer
 
 
 def test_reference_rows_reproduce_the_measurements(rates) -> None:  # type: ignore[no-untyped-def]
