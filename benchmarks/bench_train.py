@@ -230,7 +230,8 @@ def main() -> None:
         print("profile", json.dumps(profile_summary), flush=True)
     summary = {"benchmark": "train", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "trainable_params": params,
-               "attention": args.attention, "compile": args.compile, "length": args.length, "batch": args.batch, "anchors": 512, "block_size": 16,
+               "attention": args.attention, "compile": args.compile, "length": args.length, "batch": args.batch,
+               "anchors": 512, "block_size": 16,
                "loader_workers": args.workers, "results": results,
                "loader_overhead": results["loader"]["step_s"] / results["memory"]["step_s"] - 1,
                "profile": profile_summary,

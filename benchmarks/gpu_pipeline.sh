@@ -182,8 +182,8 @@ EOF
         for variant in $BENCH_VARIANTS; do
             compile=$([[ $variant == *_compile ]] && echo --compile)
             # shellcheck disable=SC2086
-            timed "bench_train_$variant" timeout 300 python3 benchmarks/bench_train.py --attention "${variant%_compile}" \
-                $compile --out "$OUT" --steps 8 --profile 3
+            timed "bench_train_$variant" timeout 300 python3 benchmarks/bench_train.py \
+                --attention "${variant%_compile}" $compile --out "$OUT" --steps 8 --profile 3
         done
         # SDPA over the whole mask vs per group of blocks: the headline drafter's shape, then Qwen3-8B's.
         timed grouped_smollm2 timeout 120 python3 benchmarks/bench_grouped_attention.py --shape smollm2 --batch 16 \

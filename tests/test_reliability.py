@@ -106,15 +106,11 @@ def _popen(*args: str) -> subprocess.Popen[str]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-@pytest.mark.reliability
-@pytest.mark.parametrize("attempt", range(10))
-def test_extract_survives_a_random_kill(baseline_cache: Path, chat_jsonl: Path, tmp_path: Path, attempt: int) -> None:
-    rng = random.Random(attempt)
-    out = tmp_path / "cache"
-    args = ("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS)
-    process = _popen(*args)
+def _kill_at_random(process: subprocess.Popen[str], out: Path, rng: random.Random, max_delay: float) -> str:
+    """After a random delay, SIGKILL or SIGTERM the run's worker or its supervisor, then wait for the run to end;
+    returns the fault as the campaign's table names it ("SIGKILL worker", ...)."""
     victim, how = rng.choice(["worker", "supervisor"]), rng.choice([signal.SIGKILL, signal.SIGTERM])
-    time.sleep(rng.uniform(1.0, 12.0))
+    time.sleep(rng.uniform(1.0, max_delay))
     if victim == "worker" and (out / "status" / "worker-0.json").is_file():
         try:
             os.kill(json.loads((out / "status" / "worker-0.json").read_text())["pid"], how)
@@ -123,13 +119,24 @@ def test_extract_survives_a_random_kill(baseline_cache: Path, chat_jsonl: Path, 
     elif process.poll() is None:
         process.send_signal(how)
     process.wait(timeout=120)
+    return f"{how.name} {victim}"
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("attempt", range(10))
+def test_extract_survives_a_random_kill(baseline_cache: Path, chat_jsonl: Path, tmp_path: Path, attempt: int) -> None:
+    rng = random.Random(attempt)
+    out = tmp_path / "cache"
+    args = ("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS)
+    process = _popen(*args)
+    fault = _kill_at_random(process, out, rng, max_delay=12.0)
     rerun = run_dflash(*args)
     try:
         assert rerun.returncode == 0, rerun.stderr[-2000:]
         assert_same_cache(baseline_cache, out)
-        _record(f"extract: {how.name} {victim}", True, 0)
+        _record(f"extract: {fault}", True, 0)
     except AssertionError:
-        _record(f"extract: {how.name} {victim}", False, 1)
+        _record(f"extract: {fault}", False, 1)
         raise
 
 
@@ -173,16 +180,7 @@ def test_generate_survives_a_random_kill(chat_jsonl: Path, tmp_path_factory: pyt
     out = tmp_path / "gen"
     args = ("generate", "--data", str(chat_jsonl), "--out", str(out), *GENERATE_ARGS)
     process = _popen(*args)
-    victim, how = rng.choice(["worker", "supervisor"]), rng.choice([signal.SIGKILL, signal.SIGTERM])
-    time.sleep(rng.uniform(1.0, 20.0))
-    if victim == "worker" and (out / "status" / "worker-0.json").is_file():
-        try:
-            os.kill(json.loads((out / "status" / "worker-0.json").read_text())["pid"], how)
-        except ProcessLookupError:  # the worker had already finished its shards and exited: nothing to kill
-            victim = "worker (already exited)"
-    elif process.poll() is None:
-        process.send_signal(how)
-    process.wait(timeout=120)
+    fault = _kill_at_random(process, out, rng, max_delay=20.0)
     rerun = run_dflash(*args)
     expected = (reference / "conversations.jsonl").read_text().splitlines()
     try:
@@ -192,7 +190,7 @@ def test_generate_survives_a_random_kill(chat_jsonl: Path, tmp_path_factory: pyt
         lost = len({json.loads(x)["id"] for x in expected} - {json.loads(x)["id"] for x in got})
         assert part_lines == len(expected), "duplicated samples"
         assert got == expected
-        _record(f"generate: {how.name} {victim}", True, 0)
+        _record(f"generate: {fault}", True, 0)
     except AssertionError:
-        _record(f"generate: {how.name} {victim}", False, max(1, locals().get("lost", 1)))
+        _record(f"generate: {fault}", False, max(1, locals().get("lost", 1)))
         raise
