@@ -135,6 +135,12 @@ def extract_command(**kwargs: object) -> None:
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="Conversations a worker finishes and saves at a time (what a kill can cost). "
                    "Default 1024 on GPU, 32 on CPU.")
+@click.option("--static-cache", is_flag=True,
+              help="Fixed-shape batches: batch-tokens / (max-length + max-new-tokens) rows each, with a KV cache of "
+                   "max-length + max-new-tokens positions per row (the last batch filled with dummy rows). On CUDA "
+                   "transformers then compiles the decoding step once per worker (CUDA graphs), which removes the "
+                   "per-step host overhead that bounds small targets; the first batch waits for the compilation. "
+                   "Greedy answers are those of the default path up to floating-point near-ties.")
 @click.option("--overwrite", is_flag=True, help="Discard an earlier output made with other settings.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug messages on the console.")
 def generate_command(**kwargs: object) -> None:

@@ -68,6 +68,7 @@ class GenerateOptions:
     workers_per_gpu: int = 1
     batch_tokens: int | None = None
     chunk_size: int | None = None
+    static_cache: bool = False
     overwrite: bool = False
     verbose: bool = False
 
@@ -191,7 +192,8 @@ class GenerateRun:
         devices, threads = self._devices()
         on_gpu = devices[0].startswith("cuda")
         batch_tokens = opts.batch_tokens or (262144 if on_gpu else 16384)
-        settings = GenerateSettings(**{**settings.identity(), "batch_tokens": batch_tokens})
+        settings = GenerateSettings(**{**settings.identity(), "batch_tokens": batch_tokens,
+                                       "static_cache": opts.static_cache})
         config = _WorkerConfig(self.out_dir, target.load_path, stop_token_ids(target.load_path, tokenizer), settings,
                                self.log_file, threads, opts.verbose)
         return sample_keys(data.conversations), data.conversations, config
@@ -239,9 +241,12 @@ class GenerateRun:
             tasks.put((number, chunk))
         for _ in devices:
             tasks.put(None)
+        settings = config.settings
+        static = (f", static cache: {max(1, settings.batch_tokens // settings.cache_len)} rows x {settings.cache_len} "
+                  "positions per batch" if settings.static_cache else "")
         log.info("generating %d conversations in %d chunk(s) with %d worker(s) on %s, token budget %d, "
-                 "up to %d new tokens per turn", len(pending), len(chunks), len(devices),
-                 ", ".join(sorted(set(devices))), config.settings.batch_tokens, config.settings.max_new_tokens)
+                 "up to %d new tokens per turn%s", len(pending), len(chunks), len(devices),
+                 ", ".join(sorted(set(devices))), settings.batch_tokens, settings.max_new_tokens, static)
         for worker_id, device in enumerate(devices):
             process = context.Process(target=_worker_main, args=(worker_id, device, config, tasks, events),
                                       name=f"dflash-generate-{worker_id}", daemon=True)

@@ -5,6 +5,12 @@ answer to the conversation so far (system and user turns are kept, earlier assis
 ones). Conversations advance turn by turn: all conversations waiting for their k-th answer are generated
 together in token-budget batches (left padded, transformers' `generate`), longest prompts first.
 
+With `static_cache`, every batch has the same shape: a fixed number of rows (the token budget over
+`cache_len`, the last batch of a turn filled with copies of its last prompt whose answers are dropped) and a KV
+cache of `cache_len` = max_length + max_new_tokens positions per row (transformers' StaticCache). Fixed shapes are
+what let transformers compile the decoding step once per worker on CUDA (CUDA graphs): a small target's decoding
+is otherwise bound by the host's per-step Python and kernel launches, not by the GPU.
+
 With `max_turns`, a conversation ends after that many regenerated answers. A turn that reaches its token
 limit without an end-of-turn token ends the conversation there: later user turns answer the original reply, not
 this one. A prompt that no longer fits `max_length` ends it too; a conversation
@@ -37,6 +43,12 @@ class GenerateSettings:
     max_length: int = 2048  # prompt + answer, in tokens; also bounds the conversation
     max_turns: int | None = None  # regenerate at most this many assistant turns; the conversation ends there
     batch_tokens: int = 65536  # rows x (longest prompt + max_new_tokens) per generate call
+    static_cache: bool = False  # fixed-shape batches and KV cache (see the module docstring)
+
+    @property
+    def cache_len(self) -> int:
+        """KV positions per row with `static_cache`: the longest prompt plus the most new tokens of any batch."""
+        return self.max_length + self.max_new_tokens
 
     def identity(self) -> dict[str, Any]:
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "seed": self.seed,
@@ -112,10 +124,20 @@ class ConversationRegenerator:
                 else:
                     prompts.append((state, ids))
             prompts.sort(key=lambda item: (-len(item[1]), item[0].conversation.index))
-            lengths = [len(ids) + self._budget(ids) for _, ids in prompts]
-            for batch in plan_batches(lengths, self.batch_tokens, 1):
+            for batch in self._plan(prompts):
                 self._generate_with_backoff([prompts[i] for i in batch])
         return [state.record() for state in states]
+
+    def _plan(self, prompts: list[tuple[_Progress, list[int]]]) -> list[list[int]]:
+        if self.settings.static_cache:
+            rows = self._static_rows()
+            return [list(range(i, min(i + rows, len(prompts)))) for i in range(0, len(prompts), rows)]
+        lengths = [len(ids) + self._budget(ids) for _, ids in prompts]
+        return plan_batches(lengths, self.batch_tokens, 1)
+
+    def _static_rows(self) -> int:
+        """Rows of every static batch (the token budget may have been halved by an out-of-memory retry)."""
+        return max(1, self.batch_tokens // self.settings.cache_len)
 
     def _budget(self, prompt: list[int]) -> int:
         return min(self.settings.max_new_tokens, self.settings.max_length - len(prompt))
@@ -158,17 +180,23 @@ class ConversationRegenerator:
         width = max(len(ids) for _, ids in batch)
         budgets = [self._budget(ids) for _, ids in batch]
         new_tokens = max(budgets)
-        if self.fake_oom_tokens and len(batch) * (width + new_tokens) > self.fake_oom_tokens and len(batch) > 1:
+        static = self.settings.static_cache
+        rows = max(len(batch), self._static_rows()) if static else len(batch)
+        if self.fake_oom_tokens and rows * (width + new_tokens) > self.fake_oom_tokens and len(batch) > 1:
             raise torch.OutOfMemoryError(f"fake OOM ({FAKE_OOM_ENV}={self.fake_oom_tokens})")
-        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, (_, ids) in enumerate(batch):  # left padding: every row's answer starts at column `width`
+        # Left padding: every row's answer starts at column `width`. Static batches are filled up to `rows` with
+        # copies of the last prompt, so every batch has the shape the compiled decoding step was made for.
+        filled = [ids for _, ids in batch] + [batch[-1][1]] * (rows - len(batch))
+        input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((rows, width), dtype=torch.long)
+        for row, ids in enumerate(filled):
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention_mask[row, width - len(ids):] = 1
         sampling = self.settings.temperature > 0
+        cache = {"cache_implementation": "static", "max_cache_len": self.settings.cache_len} if static else {}
         config = GenerationConfig(
             max_new_tokens=new_tokens, do_sample=sampling, temperature=self.settings.temperature if sampling else None,
-            top_k=None, top_p=None, eos_token_id=self.stops, pad_token_id=self.pad_id,
+            top_k=None, top_p=None, eos_token_id=self.stops, pad_token_id=self.pad_id, **cache,
         )
         if sampling:
             torch.manual_seed(_batch_seed(self.settings.seed, [state.key for state, _ in batch]))

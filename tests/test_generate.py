@@ -90,6 +90,30 @@ def test_fake_oom_halves_the_batches_and_gives_the_same_answers(smollm2_fp32: tu
     assert squeezed.oom_retries > 0
 
 
+def test_static_cache_batches_give_the_default_answers(smollm2_fp32: tuple[Any, Any, list[int]],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    model, tokenizer, stops = smollm2_fp32
+    pairs = [(c.sample_id, c) for c in _conversations(7)]
+    default = ConversationRegenerator(model, tokenizer, stops,
+                                      GenerateSettings(max_new_tokens=10, max_length=512, batch_tokens=10_000))
+    expected = default.regenerate(pairs)
+    # 3 rows of 522 cache positions: batches of 3, 3 and 1 (+ 2 dummy rows) for the first answers
+    settings = GenerateSettings(max_new_tokens=10, max_length=512, batch_tokens=3 * 522, static_cache=True)
+    static = ConversationRegenerator(model, tokenizer, stops, settings)
+    shapes: list[tuple[int, ...]] = []
+    generate = model.generate
+
+    def recording_generate(*args: Any, **kwargs: Any) -> Any:
+        shapes.append(tuple(kwargs["input_ids"].shape[:1]))
+        assert kwargs["generation_config"].cache_implementation == "static"
+        assert kwargs["generation_config"].max_cache_len == 522
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", recording_generate)
+    assert static.regenerate(pairs) == expected
+    assert set(shapes) == {(3,)} and len(shapes) >= 3  # every batch has the same number of rows
+
+
 def test_max_turns_ends_a_conversation_after_that_many_answers(smollm2_fp32: tuple[Any, Any, list[int]]) -> None:
     model, tokenizer, _ = smollm2_fp32
     everything_stops = list(range(model.config.vocab_size))  # every answer ends at once, with an end-of-turn token
