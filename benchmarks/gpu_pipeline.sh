@@ -8,7 +8,8 @@
 #   generate  dflash generate over the first SAMPLES ShareGPT first turns, stopped after GEN_SECONDS at the latest
 #             (finished conversations kept). Conversations generated in earlier sessions ($CARRIED, committed with
 #             the results, so it travels with the tree) are kept and left out of the input, so sessions add up; all
-#             of them are saved as $OUT/generated.jsonl.gz for the next one (CARRIED=none starts afresh)
+#             of them are saved as $OUT/generated.jsonl.gz for the next one (CARRIED=none starts afresh);
+#             GEN_SECONDS=0 generates nothing and uses the carried conversations only
 #   probe     (meant to run beside generate) flex vs SDPA phase probe and the loader-vs-memory train bench
 #   extract   dflash extract of what was generated, once per feature dtype in DTYPES (bf16, fp8), each followed
 #             by inspect --verify
@@ -35,7 +36,7 @@ SITE=${SITE:-/tmp/site}
 SAMPLES=${SAMPLES:-4096}
 GEN_SECONDS=${GEN_SECONDS:-450}
 NEW_TOKENS=${NEW_TOKENS:-512}
-GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 4 --batch-tokens 524288 --chunk-size 256}
+GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 2 --batch-tokens 1310720 --chunk-size 512 --static-cache}
 MAX_LENGTH=${MAX_LENGTH:-2048}
 TRAIN_SECONDS=${TRAIN_SECONDS:-540}  # or TRAIN_END, below
 TRAIN_FLAGS=${TRAIN_FLAGS:---attention sdpa --eval-every 200 --checkpoint-every 200 --batch-tokens 16384 --num-workers 4}
@@ -45,7 +46,7 @@ PROBE=${PROBE:-0}
 FLAGS=${FLAGS:-0}
 FLAG_VARIANTS=${FLAG_VARIANTS:-sdpa sdpa_compile flex flex_compile}
 BENCH_VARIANTS=${BENCH_VARIANTS:-flex flex_compile sdpa sdpa_compile}
-CARRIED=${CARRIED:-benchmarks/results/h200_headline/generated.jsonl.gz}
+CARRIED=${CARRIED:-benchmarks/results/h200_generate_static/generated.jsonl.gz}
 EVAL_RUNS=${EVAL_RUNS:-}  # run folder names (run_bf16 ...); empty = every run
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
@@ -90,10 +91,12 @@ EOF
         timed convert_gguf python3 -c 'from shared.target_loading import resolve_target; resolve_target(None)'
         ;;
     generate)
+        mkdir -p "$WORK/gen"
+        # GEN_SECONDS=0: use only the carried conversations (`timeout 0` would mean no limit at all).
         # shellcheck disable=SC2086
-        timed generate timeout -s TERM "$GEN_SECONDS" $DF generate --data "$WORK/sharegpt.jsonl.gz" \
-            --out "$WORK/gen" --max-samples "$SAMPLES" --max-new-tokens "$NEW_TOKENS" --max-length "$MAX_LENGTH" \
-            --max-turns 1 $GEN_FLAGS
+        [ "$GEN_SECONDS" -gt 0 ] && timed generate timeout -s TERM "$GEN_SECONDS" $DF generate \
+            --data "$WORK/sharegpt.jsonl.gz" --out "$WORK/gen" --max-samples "$SAMPLES" --max-new-tokens "$NEW_TOKENS" \
+            --max-length "$MAX_LENGTH" --max-turns 1 $GEN_FLAGS
         # A run stopped by its time limit keeps its finished conversations: use those.
         python3 - "$WORK/gen" "$WORK/carried.jsonl" <<'EOF' | tee -a "$OUT/timings.tsv"
 import json, sys
@@ -112,7 +115,7 @@ for r in kept:
 print(f"generated\t{len(kept)} conversations\t{sum(r['dflash']['generated_tokens'] for r in kept)} new tokens"
       f"\t{len(records) - len(kept)} skipped\t{reasons}")
 EOF
-        cp "$WORK/gen/generate.log" "$OUT/"
+        [ -f "$WORK/gen/generate.log" ] && cp "$WORK/gen/generate.log" "$OUT/"
         gzip -c "$WORK/gen/finished.jsonl" >"$OUT/generated.jsonl.gz"
         ;;
     probe)
