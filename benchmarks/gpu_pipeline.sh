@@ -29,6 +29,18 @@
 #             whole run, meant to be
 #             started detached (setsid) so that short device calls can poll $OUT while it runs
 # Figures and logs go to $OUT, stage times to $OUT/timings.tsv.
+#
+# The headline on the 4,215 carried conversations, one fp8 drafter, in one 30-minute device session (the machine
+# is released 30 s after a call, so issue each call right after the previous one returns):
+#   here:    bash benchmarks/gpu_carry.sh
+#   call 1:  carry .whl .carry_a;  export OUT2=$OUT OUT=/tmp/gpu_out; bash benchmarks/gpu_pipeline.sh setup
+#   call 2:  carry .carry_b;  export OUT2=$OUT OUT=/tmp/gpu_out TRAIN_END=$(( $(date +%s) + LEFT - 450 ));
+#            cp -r . /tmp/repo && cd /tmp/repo && bash benchmarks/gpu_pipeline.sh model &&
+#            (GEN_SECONDS=0 DTYPES=fp8 setsid nohup bash benchmarks/gpu_pipeline.sh headline
+#             >/tmp/gpu_out/headline.out 2>&1 </dev/null &); sleep 560; tar czf $OUT2/state.tgz -C /tmp/gpu_out .
+#            (LEFT = the budget_left_s that `status` gave before call 1, less the machine's start; 450 s leave
+#            the evaluation, ~300 s, and the last call's transfers)
+#   then:    sleep up to 560 s per call and tar again, until timings.tsv ends with "headline done"
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 WORK=${WORK:-/tmp/dflash_work}
