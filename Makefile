@@ -6,11 +6,13 @@ STAMP := $(VENV)/.installed
 WORK ?= work
 # Size of the `make all` run (README "Sizing make all"): ShareGPT conversations whose first answer SmolLM2
 # regenerates, the longest conversation and answer in tokens, worker processes (2 on a CPU-only machine; empty =
-# one per GPU where nvidia-smi exists), the drafter's training flags, and the evaluation size.
+# one per GPU where nvidia-smi exists), more generate flags (e.g. --static-cache on GPUs), the drafter's training
+# flags, and the evaluation size.
 GEN_SAMPLES ?= 200
 MAX_LENGTH ?= 448
 NEW_TOKENS ?= 128
 WORKERS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,2)
+GEN_FLAGS ?=
 TRAIN_FLAGS ?= --epochs 24 --draft-layers 1 --max-anchors 16 --batch-tokens 2048 --lr 3e-3 --eval-every 100 \
 	--eval-sequences 8 --checkpoint-every 100
 EVAL_SAMPLES ?= 4
@@ -44,7 +46,7 @@ test-all: $(STAMP)
 
 all: $(STAMP)
 	$(BIN)/dflash generate --out $(WORK)/generated --max-samples $(GEN_SAMPLES) --max-length $(MAX_LENGTH) \
-		--max-new-tokens $(NEW_TOKENS) --max-turns 1 $(if $(WORKERS),--workers $(WORKERS))
+		--max-new-tokens $(NEW_TOKENS) --max-turns 1 $(if $(WORKERS),--workers $(WORKERS)) $(GEN_FLAGS)
 	$(BIN)/dflash extract --data $(WORK)/generated/conversations.jsonl --out $(WORK)/cache \
 		--max-length $(MAX_LENGTH) $(if $(WORKERS),--workers $(WORKERS))
 	$(BIN)/dflash inspect --cache $(WORK)/cache --verify
