@@ -218,8 +218,16 @@ def test_compiled_layers_train_like_eager_ones(train_cache: Path, tmp_path: Path
     assert_same_training(compiled, eager, loss_rel=1e-4)
     weights = [load_file(str(run / "export" / "model.safetensors")) for run in (compiled, eager)]
     assert sorted(weights[0]) == sorted(weights[1])
-    for key in weights[1]:  # the export is bf16: a few elements of millions round to the neighbouring bf16 value
-        torch.testing.assert_close(weights[0][key], weights[1][key], rtol=2 ** -7, atol=1e-5, msg=key)
+    # Adam moves an element by about lr per step whatever the size of its gradient, so where the true gradient is ~0
+    # float noise picks the sign and the two runs may differ there by 2 lr per step (seen in CI: a k_proj element).
+    # So: nearly every element agrees to bf16 rounding, and none differs by more than Adam's bound on its updates,
+    # lr * (1 - beta1) / sqrt(1 - beta2) ~ 3.2 lr per step, twice (once per run).
+    max_move = 2 * 3.2 * sum(r["lr"] for r in step_records(eager).values())
+    for key in weights[1]:
+        got, want = weights[0][key].float(), weights[1][key].float()
+        difference, rounding = (got - want).abs(), 2 ** -7 * want.abs() + 1e-5
+        assert float((difference > rounding).float().mean()) < 1e-3, key
+        assert bool((difference <= max_move + rounding).all()), (key, float(difference.max()), max_move)
 
 
 def test_export_command_exports_the_latest_checkpoint_also_an_fsdp_one(train_cache: Path, tmp_path: Path) -> None:
