@@ -30,16 +30,17 @@
 #             started detached (setsid) so that short device calls can poll $OUT while it runs
 # Figures and logs go to $OUT, stage times to $OUT/timings.tsv.
 #
-# The headline on the 4,215 carried conversations, one fp8 drafter, in one 30-minute device session (the machine
-# is released 30 s after a call, so issue each call right after the previous one returns):
+# The headline on the 4,215 carried conversations as run on 2026-12-04 (one fp8 cache, two learning rates side by
+# side, the better one evaluated; 1,385 s of device time), in one 30-minute device session (the machine is released
+# 30 s after a call, so issue each call right after the previous one returns):
 #   here:    bash benchmarks/gpu_carry.sh
 #   call 1:  carry .whl .carry_a;  export OUT2=$OUT OUT=/tmp/gpu_out; bash benchmarks/gpu_pipeline.sh setup
-#   call 2:  carry .carry_b;  export OUT2=$OUT OUT=/tmp/gpu_out TRAIN_END=$(( $(date +%s) + LEFT - 450 ));
+#   call 2:  carry .carry_b;  export OUT2=$OUT OUT=/tmp/gpu_out TRAIN_END=$(( $(date +%s) + LEFT - 515 ));
 #            cp -r . /tmp/repo && cd /tmp/repo && bash benchmarks/gpu_pipeline.sh model &&
-#            (GEN_SECONDS=0 DTYPES=fp8 setsid nohup bash benchmarks/gpu_pipeline.sh headline
-#             >/tmp/gpu_out/headline.out 2>&1 </dev/null &); sleep 560; tar czf $OUT2/state.tgz -C /tmp/gpu_out .
-#            (LEFT = the budget_left_s that `status` gave before call 1, less the machine's start; 450 s leave
-#            the evaluation, ~300 s, and the last call's transfers)
+#            (GEN_SECONDS=0 DTYPES=fp8 LRS="6e-4 2e-3" EVAL_RUNS=best setsid nohup bash benchmarks/gpu_pipeline.sh
+#             headline >/tmp/gpu_out/headline.out 2>&1 </dev/null &); sleep 530; tar czf $OUT2/state.tgz -C /tmp/gpu_out .
+#            (LEFT = the budget_left_s that the reply to call 1 gave; 515 s leave the evaluation, ~270 s, the
+#            export and the last call's transfers)
 #   then:    sleep up to 560 s per call and tar again, until timings.tsv ends with "headline done"
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -53,18 +54,19 @@ MAX_LENGTH=${MAX_LENGTH:-2048}
 TRAIN_SECONDS=${TRAIN_SECONDS:-540}  # or TRAIN_END, below
 TRAIN_FLAGS=${TRAIN_FLAGS:---attention sdpa --eval-every 200 --checkpoint-every 200 --batch-tokens 16384 --num-workers 4}
 LR=${LR:-6e-4}
+LRS=${LRS:-$LR}  # several ("6e-4 2e-3"): one run per learning rate, side by side
 DTYPES=${DTYPES:-bf16 fp8}
 PROBE=${PROBE:-0}
 FLAGS=${FLAGS:-0}
 FLAG_VARIANTS=${FLAG_VARIANTS:-sdpa sdpa_compile flex flex_compile}
 BENCH_VARIANTS=${BENCH_VARIANTS:-flex flex_compile sdpa sdpa_compile}
 CARRIED=${CARRIED:-benchmarks/results/h200_generate_static/generated.jsonl.gz}
-EVAL_RUNS=${EVAL_RUNS:-}  # run folder names (run_bf16 ...); empty = every run
+EVAL_RUNS=${EVAL_RUNS:-}  # run folder names (run_bf16 ...); empty = every run; best = the best offline tau
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 DFLASH_HOME=${DFLASH_HOME:-/tmp/dflash_home}
 mkdir -p "$OUT" "$WORK"
-DF="python3 -m shared.cli"
+DF=${DF:-python3 -m shared.cli}  # (a stub in a dry run of the stage logic)
 
 timed() {  # timed NAME COMMAND...: run, append "NAME seconds rc" to timings.tsv
     local name=$1 start rc
@@ -147,11 +149,21 @@ EOF
         done
         ;;
     train)
-        # Calibrate: steps/s of each run while all of them run side by side, as they will.
+        # One run per feature dtype and learning rate (run_<dtype>, or run_<dtype>_lr<lr> when LRS names several).
+        runs=()
         for dtype in $DTYPES; do
+            for lr in $LRS; do
+                name=run_$dtype
+                [ "$(wc -w <<<"$LRS")" -gt 1 ] && name=run_${dtype}_lr$lr
+                runs+=("$dtype:$lr:$name")
+            done
+        done
+        # Calibrate: steps/s of each run while all of them run side by side, as they will.
+        for run in "${runs[@]}"; do
+            IFS=: read -r dtype lr name <<<"$run"
             # shellcheck disable=SC2086
-            $DF train --cache "$WORK/cache_$dtype" --out "$WORK/calib_$dtype" --max-steps 60 --lr "$LR" $TRAIN_FLAGS \
-                --eval-every 0 --checkpoint-every 0 >"$OUT/calib_$dtype.log" 2>&1 &
+            $DF train --cache "$WORK/cache_$dtype" --out "$WORK/calib_$name" --max-steps 60 --lr "$lr" $TRAIN_FLAGS \
+                --eval-every 0 --checkpoint-every 0 >"$OUT/calib_$name.log" 2>&1 &
         done
         timed calibrate wait
         # TRAIN_END (epoch seconds): train until then instead of for TRAIN_SECONDS, so that time the earlier
@@ -169,10 +181,11 @@ print(int(min(rates) * (budget - 120)))  # startup, evaluations, checkpoints and
 EOF
 )
         echo "train steps fitted to ${TRAIN_SECONDS}s: $steps" | tee -a "$OUT/timings.tsv"
-        for dtype in $DTYPES; do
+        for run in "${runs[@]}"; do
+            IFS=: read -r dtype lr name <<<"$run"
             # shellcheck disable=SC2086
-            timeout -s TERM "$TRAIN_SECONDS" $DF train --cache "$WORK/cache_$dtype" --out "$WORK/run_$dtype" \
-                --max-steps "$steps" --lr "$LR" $TRAIN_FLAGS >"$OUT/train_$dtype.out" 2>&1 &
+            timeout -s TERM "$TRAIN_SECONDS" $DF train --cache "$WORK/cache_$dtype" --out "$WORK/$name" \
+                --max-steps "$steps" --lr "$lr" $TRAIN_FLAGS >"$OUT/train_$name.out" 2>&1 &
         done
         timed train wait
         for run in "$WORK"/run_*; do
@@ -183,6 +196,19 @@ EOF
         done
         ;;
     eval)
+        if [ "$EVAL_RUNS" = best ]; then  # the run with the highest held-out offline tau at its last evaluation
+            EVAL_RUNS=$(python3 - "$WORK"/run_* 2> >(tee -a "$OUT/timings.tsv" >&2) <<'EOF'
+import json, sys
+from pathlib import Path
+last = {}
+for run in map(Path, sys.argv[1:]):
+    taus = [r["eval/tau_walk"] for r in map(json.loads, open(run / "metrics.jsonl")) if "eval/tau_walk" in r]
+    last[run.name] = taus[-1] if taus else 0.0
+print(max(last, key=last.get))
+print(f"best run by held-out tau_walk: {last}", file=sys.stderr)
+EOF
+)
+        fi
         for run in "$WORK"/run_*; do
             name=$(basename "$run")
             [ -z "$EVAL_RUNS" ] || [[ " $EVAL_RUNS " == *" $name "* ]] || continue
