@@ -17,6 +17,8 @@
 #             learning rate LR with the same --max-steps fitted to TRAIN_SECONDS (same data, same steps: the
 #             fp8-vs-bf16 comparison); the bf16 run is the headline
 #   eval      dflash eval of each run on MT-Bench, HumanEval and the held-out split (one process each)
+#   keep      the best run's export (by held-out offline tau) into $KEEP, its weights split into 15 MB parts, so
+#             that it can come back and start the next session's runs (INIT=folder: `dflash train --init-from`)
 #   bench     benchmarks/bench_train.py (loader vs in-memory, Qwen3-8B-shaped drafter, profiled; once per
 #             variant in BENCH_VARIANTS: flex, sdpa, flex_compile, sdpa_compile) and
 #             benchmarks/bench_grouped_attention.py (SDPA over the whole mask vs per group of blocks)
@@ -25,7 +27,7 @@
 #             GPU; then `dflash export --run`),
 #             --compile with SDPA and with flex, each against the same run without it (FLAG_VARIANTS picks
 #             which) -> $OUT/flags.json
-#   headline  generate, extract, train, eval (and probe / flags beside generate when PROBE=1 / FLAGS=1): the
+#   headline  generate, extract, train, eval, keep (when KEEP is set; and probe / flags beside generate when PROBE=1 / FLAGS=1): the
 #             whole run, meant to be
 #             started detached (setsid) so that short device calls can poll $OUT while it runs
 # Figures and logs go to $OUT, stage times to $OUT/timings.tsv.
@@ -42,6 +44,9 @@
 #            (LEFT = the budget_left_s that the reply to call 1 gave; 515 s leave the evaluation, ~270 s, the
 #            export and the last call's transfers)
 #   then:    sleep up to 560 s per call and tar again, until timings.tsv ends with "headline done"
+# To train on from the last session's drafter: carry its kept folder (parts joined by `cat`) in a call of its own
+# before call 2, give INIT=that folder, and KEEP=/tmp/gpu_keep; the last call copies /tmp/gpu_keep/* into $OUT
+# (config, target info and three parts: 5 files of at most 15 MB beside state.tgz).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 WORK=${WORK:-/tmp/dflash_work}
@@ -61,6 +66,8 @@ FLAGS=${FLAGS:-0}
 FLAG_VARIANTS=${FLAG_VARIANTS:-sdpa sdpa_compile flex flex_compile}
 BENCH_VARIANTS=${BENCH_VARIANTS:-flex flex_compile sdpa sdpa_compile}
 CARRIED=${CARRIED:-benchmarks/results/h200_generate_static/generated.jsonl.gz}
+INIT=${INIT:-}  # an exported drafter (folder) every run starts from (--init-from): training goes on across sessions
+KEEP=${KEEP:-}  # a folder outside $OUT: the best run's export, its weights in 15 MB parts (to carry back; see `keep`)
 EVAL_RUNS=${EVAL_RUNS:-}  # run folder names (run_bf16 ...); empty = every run; best = the best offline tau
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
@@ -76,6 +83,19 @@ timed() {  # timed NAME COMMAND...: run, append "NAME seconds rc" to timings.tsv
     rc=$?
     printf '%s\t%d s\trc %d\n' "$name" "$(($(date +%s) - start))" "$rc" | tee -a "$OUT/timings.tsv"
     return 0
+}
+
+best_run() {  # the name of the run with the highest held-out offline tau at its last evaluation
+    python3 - "$WORK"/run_* 2> >(tee -a "$OUT/timings.tsv" >&2) <<'EOF'
+import json, sys
+from pathlib import Path
+last = {}
+for run in map(Path, sys.argv[1:]):
+    taus = [r["eval/tau_walk"] for r in map(json.loads, open(run / "metrics.jsonl")) if "eval/tau_walk" in r]
+    last[run.name] = taus[-1] if taus else 0.0
+print(max(last, key=last.get))
+print(f"best run by held-out tau_walk: {last}", file=sys.stderr)
+EOF
 }
 
 for stage in "$@"; do
@@ -158,6 +178,7 @@ EOF
                 runs+=("$dtype:$lr:$name")
             done
         done
+        [ -n "$INIT" ] && TRAIN_FLAGS="$TRAIN_FLAGS --init-from $INIT"
         # Calibrate: steps/s of each run while all of them run side by side, as they will.
         for run in "${runs[@]}"; do
             IFS=: read -r dtype lr name <<<"$run"
@@ -196,19 +217,7 @@ EOF
         done
         ;;
     eval)
-        if [ "$EVAL_RUNS" = best ]; then  # the run with the highest held-out offline tau at its last evaluation
-            EVAL_RUNS=$(python3 - "$WORK"/run_* 2> >(tee -a "$OUT/timings.tsv" >&2) <<'EOF'
-import json, sys
-from pathlib import Path
-last = {}
-for run in map(Path, sys.argv[1:]):
-    taus = [r["eval/tau_walk"] for r in map(json.loads, open(run / "metrics.jsonl")) if "eval/tau_walk" in r]
-    last[run.name] = taus[-1] if taus else 0.0
-print(max(last, key=last.get))
-print(f"best run by held-out tau_walk: {last}", file=sys.stderr)
-EOF
-)
-        fi
+        [ "$EVAL_RUNS" = best ] && EVAL_RUNS=$(best_run)
         for run in "$WORK"/run_*; do
             name=$(basename "$run")
             [ -z "$EVAL_RUNS" ] || [[ " $EVAL_RUNS " == *" $name "* ]] || continue
@@ -218,6 +227,15 @@ EOF
             done
         done
         timed eval wait
+        ;;
+    keep)
+        # The best run's export in parts small enough to come back from the device (16 MiB a file); join them with
+        # `cat model.safetensors.part* >model.safetensors` and pass the folder as INIT in the next session.
+        best=$(best_run)
+        rm -rf "$KEEP" && mkdir -p "$KEEP"
+        cp "$WORK/$best/export/"*.json "$KEEP/"
+        split -b 15000000 -a 1 "$WORK/$best/export/model.safetensors" "$KEEP/model.safetensors.part"
+        echo "kept $best in $KEEP" | tee -a "$OUT/timings.tsv"
         ;;
     bench)
         for variant in $BENCH_VARIANTS; do
@@ -274,6 +292,7 @@ EOF
         "$0" generate extract
         wait
         "$0" train eval
+        [ -n "$KEEP" ] && "$0" keep
         echo "headline done" | tee -a "$OUT/timings.tsv"
         ;;
     *)

@@ -42,6 +42,9 @@ import click
 @click.option("--eval-sequences", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=500, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue exactly from the latest checkpoint in --out.")
+@click.option("--init-from", type=click.Path(path_type=Path), default=None, metavar="EXPORT_DIR",
+              help="Start from the weights of an exported drafter of the same shape and target (a new optimizer and "
+                   "schedule): train on across sessions, or fine-tune on other data.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa", "eager"]), default="auto", show_default=True,
               help="auto = flex_attention on CUDA for drafters of hidden size >= 2048 (SDPA is faster below: "

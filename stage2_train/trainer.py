@@ -62,6 +62,7 @@ class TrainOptions:
     eval_sequences: int = 16
     checkpoint_every: int = 500
     resume: bool = False
+    init_from: Path | None = None
     seed: int = 0
     attention: str = "auto"
     compile: bool = False
@@ -148,6 +149,8 @@ class Trainer:
                                          sliding_window=options.sliding_window)
         torch.manual_seed(options.seed)
         self.model = DFlashDraftModel(self.config, attn_implementation=options.attention)  # type: ignore[arg-type]
+        if options.init_from is not None:
+            self._init_from(options.init_from)
         # Frozen target parts in the compute dtype (bf16 under mixed precision; fp32 otherwise, e.g. CPU tests).
         self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.embed = self.parts.embed_tokens.to(self.device, self.compute_dtype)
@@ -203,14 +206,42 @@ class Trainer:
         path = self.out / DRAFT_CONFIG_FILE
         if not path.is_file():
             return
-        before, now = json.loads(path.read_text()), self.config.to_dict()
-        keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "num_hidden_layers", "vocab_size", "block_size", "num_target_layers", "dflash_config", "layer_types")
-        differences = [f"{key}: the run has {before.get(key)!r}, this cache and these flags give {now.get(key)!r}"
-                       for key in keys if before.get(key) != now.get(key)]
+        differences = self._config_differences(json.loads(path.read_text()), "the run")
         if differences:
             raise UserError(f"--resume: the drafter in {self.out} does not match:\n  " + "\n  ".join(differences)
                             + "\nresume with the cache and flags the run was started with, or train into a new --out")
+
+    def _config_differences(self, before: dict[str, Any], what: str) -> list[str]:
+        """The sizes in which the drafter config `before` differs from this run's, one line each."""
+        now = self.config.to_dict()
+        keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "num_hidden_layers", "vocab_size", "block_size", "num_target_layers", "dflash_config", "layer_types")
+        return [f"{key}: {what} has {before.get(key)!r}, this cache and these flags give {now.get(key)!r}"
+                for key in keys if before.get(key) != now.get(key)]
+
+    def _init_from(self, export_dir: Path) -> None:
+        """--init-from: start from an exported drafter's weights (a fresh optimizer and schedule), e.g. to go on
+        training across sessions of a lent GPU or to fine-tune on new data. It must be the same drafter for the
+        same target; a checkpoint found by --resume takes precedence (it is loaded afterwards)."""
+        from stage2_train.export import TARGET_INFO_FILE, load_draft
+
+        config_path = export_dir / "config.json"
+        if not config_path.is_file():
+            raise UserError(f"--init-from {export_dir}: no config.json there: give the export folder of a run "
+                            "(RUN/export, or what `dflash export` wrote)")
+        differences = self._config_differences(json.loads(config_path.read_text()), "the export")
+        info_path = export_dir / TARGET_INFO_FILE
+        if info_path.is_file():
+            trained_for = json.loads(info_path.read_text()).get("target_hash")
+            target_hash = self.manifest["identity"].get("target_hash")
+            if trained_for and target_hash and trained_for != target_hash:
+                differences.append(f"target: the export was trained for target {trained_for}, this cache holds "
+                                   f"features of target {target_hash}")
+        if differences:
+            raise UserError(f"--init-from: the drafter in {export_dir} does not match:\n  " + "\n  ".join(differences)
+                            + "\nstart from an export made with the same target and drafter flags")
+        self.model.load_state_dict(load_draft(export_dir).state_dict())
+        log.info("--init-from: starting from the weights of %s", export_dir)
 
     def _previous_config(self) -> dict[str, Any]:
         path = self.out / EXPORT_DIR / "config.json"

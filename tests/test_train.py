@@ -202,6 +202,36 @@ def test_resume_into_a_run_of_another_drafter_is_refused(train_cache: Path, tmp_
     assert json.loads((run / "draft_config.json").read_text())["block_size"] == 16  # the run is left as it was
 
 
+def test_init_from_an_export_starts_from_its_weights_and_refuses_another_drafter(train_cache: Path,
+                                                                                 tmp_path: Path) -> None:
+    """--init-from EXPORT: the new run starts from the export's weights (with an lr too small to move them, its own
+    export is the same bit for bit, and its step-0 evaluation equals the end of the first run's); an export of
+    another drafter shape, or a folder that is no export, is refused by name."""
+    args = ("--max-steps", "2", "--eval-every", "2", "--checkpoint-every", "0", *TRAIN_ARGS)
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert run_dflash("train", "--cache", str(train_cache), "--out", str(first), *args).returncode == 0
+    result = run_dflash("train", "--cache", str(train_cache), "--out", str(second), *args, "--lr", "1e-30",
+                        "--init-from", str(first / "export"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--init-from: starting from the weights of" in result.stderr
+    exported = [load_file(str(run / "export" / "model.safetensors")) for run in (first, second)]
+    assert sorted(exported[0]) == sorted(exported[1])
+    for key in exported[0]:
+        assert torch.equal(exported[0][key], exported[1][key]), key
+    evaluations = [[r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                    if "eval/tau_walk" in r] for run in (first, second)]
+    untrained_tau, first_tau, started_tau = (evaluations[0][0]["eval/tau_walk"], evaluations[0][-1]["eval/tau_walk"],
+                                             evaluations[1][0]["eval/tau_walk"])
+    assert started_tau == pytest.approx(first_tau, rel=0.02) and first_tau != untrained_tau
+    for flags, message in ((("--block-size", "8"), "block_size: the export has 16, this cache and these flags give 8"),
+                           ((), "no config.json there")):
+        init = first / "export" if flags else first
+        refused = run_dflash("train", "--cache", str(train_cache), "--out", str(tmp_path / "refused"), *args,
+                             *flags, "--init-from", str(init))
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert message in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_compiled_layers_train_like_eager_ones(train_cache: Path, tmp_path: Path) -> None:
     """--compile: each decoder layer through torch.compile (inductor, also on CPU) trains on the same data to the
     same losses up to float noise, and the checkpoint and export keep the uncompiled weight names."""
