@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from stage2_train.acceptance import walk_acceptance
+from stage2_train.acceptance import _run_ends, walk_acceptance
 from stage2_train.data import split_hash
 
 
@@ -36,7 +36,7 @@ def copy_walk(ids: np.ndarray, loss_mask: np.ndarray, block_size: int) -> tuple[
     if len(answer) == 0:
         return [], 0, 0
     start = int(answer[0])
-    end = start + (int(np.argmin(loss_mask[start:])) if not loss_mask[start:].all() else len(ids) - start)
+    end = int(_run_ends(loss_mask)[start])  # one past the first loss-mask run, as `offline_acceptance` finds it
     latest: dict[tuple[int, int], int] = {}  # (ids[j - 1], ids[j]) -> the largest such j before the anchor
     accept_at: dict[int, int] = {}
     hits = 0

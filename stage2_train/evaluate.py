@@ -36,7 +36,7 @@ import torch
 
 from shared.errors import UserError
 from shared.logs import get_logger
-from stage2_train.export import TARGET_INFO_FILE, load_draft
+from stage2_train.export import TARGET_INFO_FILE, load_draft, read_target_info
 from stage2_train.speculative import (
     SpecResult,
     acceptance_by_position,
@@ -212,16 +212,6 @@ def tokenize_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
 # ---------------------------------------------------------------------------
 # Drafter / target compatibility
 # ---------------------------------------------------------------------------
-
-
-def read_target_info(draft_dir: Path) -> dict[str, Any]:
-    path = draft_dir / TARGET_INFO_FILE
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise UserError(f"{path} is not valid JSON ({error}); re-export the drafter") from error
 
 
 def check_compatibility(draft: Any, target: Any, info: Mapping[str, Any], draft_dir: Path | str = "the drafter",

@@ -50,18 +50,34 @@ def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any
     os.replace(tmp, out_dir)
 
 
-def load_draft(export_dir: Path, attn_implementation: str = "auto") -> DFlashDraftModel:
-    """Load an exported drafter (ours or a reference export) into DFlashDraftModel, strictly."""
+def read_target_info(draft_dir: Path) -> dict[str, Any]:
+    """The export's record of the target it was trained for ({} when it has none, e.g. a reference export)."""
+    path = draft_dir / TARGET_INFO_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path} is not valid JSON ({error}); re-export the drafter") from error
+
+
+def load_draft_weights(model: DFlashDraftModel, export_dir: Path) -> None:
+    """Load an export's weights into `model` (of the export's config), strictly."""
     from safetensors.torch import load_file
 
-    config_path = export_dir / "config.json"
-    if not config_path.is_file():
-        raise UserError(f"{export_dir} is not an exported drafter: config.json not found (run `dflash export`)")
-    config = DFlashConfig.from_dict(json.loads(config_path.read_text()))
-    model = DFlashDraftModel(config, attn_implementation=attn_implementation)  # type: ignore[arg-type]
     state = load_file(str(export_dir / WEIGHTS_FILE))
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if missing or unexpected:
         raise UserError(f"{export_dir / WEIGHTS_FILE} does not match the DFlash drafter: missing {missing[:5]}, "
                         f"unexpected {unexpected[:5]}")
+
+
+def load_draft(export_dir: Path, attn_implementation: str = "auto") -> DFlashDraftModel:
+    """Load an exported drafter (ours or a reference export) into DFlashDraftModel, strictly."""
+    config_path = export_dir / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{export_dir} is not an exported drafter: config.json not found (run `dflash export`)")
+    config = DFlashConfig.from_dict(json.loads(config_path.read_text()))
+    model = DFlashDraftModel(config, attn_implementation=attn_implementation)  # type: ignore[arg-type]
+    load_draft_weights(model, export_dir)
     return model

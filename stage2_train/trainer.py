@@ -223,24 +223,22 @@ class Trainer:
         """--init-from: start from an exported drafter's weights (a fresh optimizer and schedule), e.g. to go on
         training across sessions of a lent GPU or to fine-tune on new data. It must be the same drafter for the
         same target; a checkpoint found by --resume takes precedence (it is loaded afterwards)."""
-        from stage2_train.export import TARGET_INFO_FILE, load_draft
+        from stage2_train.export import load_draft_weights, read_target_info
 
         config_path = export_dir / "config.json"
         if not config_path.is_file():
             raise UserError(f"--init-from {export_dir}: no config.json there: give the export folder of a run "
                             "(RUN/export, or what `dflash export` wrote)")
         differences = self._config_differences(json.loads(config_path.read_text()), "the export")
-        info_path = export_dir / TARGET_INFO_FILE
-        if info_path.is_file():
-            trained_for = json.loads(info_path.read_text()).get("target_hash")
-            target_hash = self.manifest["identity"].get("target_hash")
-            if trained_for and target_hash and trained_for != target_hash:
-                differences.append(f"target: the export was trained for target {trained_for}, this cache holds "
-                                   f"features of target {target_hash}")
+        trained_for = read_target_info(export_dir).get("target_hash")
+        target_hash = self.manifest["identity"].get("target_hash")
+        if trained_for and target_hash and trained_for != target_hash:
+            differences.append(f"target: the export was trained for target {trained_for}, this cache holds "
+                               f"features of target {target_hash}")
         if differences:
             raise UserError(f"--init-from: the drafter in {export_dir} does not match:\n  " + "\n  ".join(differences)
                             + "\nstart from an export made with the same target and drafter flags")
-        self.model.load_state_dict(load_draft(export_dir).state_dict())
+        load_draft_weights(self.model, export_dir)  # the config matched: the same shapes, no second drafter built
         log.info("--init-from: starting from the weights of %s", export_dir)
 
     def _previous_config(self) -> dict[str, Any]:

@@ -223,9 +223,10 @@ def test_init_from_an_export_starts_from_its_weights_and_refuses_another_drafter
     untrained_tau, first_tau, started_tau = (evaluations[0][0]["eval/tau_walk"], evaluations[0][-1]["eval/tau_walk"],
                                              evaluations[1][0]["eval/tau_walk"])
     assert started_tau == pytest.approx(first_tau, rel=0.02) and first_tau != untrained_tau
-    for flags, message in ((("--block-size", "8"), "block_size: the export has 16, this cache and these flags give 8"),
-                           ((), "no config.json there")):
-        init = first / "export" if flags else first
+    for init, flags, message in (
+        (first / "export", ("--block-size", "8"), "block_size: the export has 16, this cache and these flags give 8"),
+        (first, (), "no config.json there"),  # the run folder, not its export
+    ):
         refused = run_dflash("train", "--cache", str(train_cache), "--out", str(tmp_path / "refused"), *args,
                              *flags, "--init-from", str(init))
         assert refused.returncode == 2, refused.stderr[-2000:]
