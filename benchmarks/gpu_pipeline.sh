@@ -60,6 +60,8 @@ TRAIN_SECONDS=${TRAIN_SECONDS:-540}  # or TRAIN_END, below
 TRAIN_FLAGS=${TRAIN_FLAGS:---attention sdpa --eval-every 200 --checkpoint-every 200 --batch-tokens 16384 --num-workers 4}
 LR=${LR:-6e-4}
 LRS=${LRS:-$LR}  # several ("6e-4 2e-3"): one run per learning rate, side by side
+VARIANTS=${VARIANTS:-}  # "NAME:LR:FLAG,FLAG ..." (e.g. "a64:1e-3:--max-anchors=64"): one run per entry, see train
+VERIFY=${VERIFY:-1}  # 0: no `inspect --verify` after extract (a cache already verified in an earlier session)
 DTYPES=${DTYPES:-bf16 fp8}
 PROBE=${PROBE:-0}
 FLAGS=${FLAGS:-0}
@@ -163,50 +165,66 @@ EOF
         for dtype in $DTYPES; do
             timed "extract_$dtype" $DF extract --data "$WORK/gen/finished.jsonl" --out "$WORK/cache_$dtype" \
                 --max-length "$MAX_LENGTH" --feature-dtype "$dtype"
-            timed "inspect_$dtype" $DF inspect --cache "$WORK/cache_$dtype" --verify --json >"$OUT/inspect_$dtype.json"
+            [ "$VERIFY" = 1 ] && timed "inspect_$dtype" $DF inspect --cache "$WORK/cache_$dtype" --verify --json >"$OUT/inspect_$dtype.json"
             du -sb "$WORK/cache_$dtype" | tee -a "$OUT/timings.tsv"
             cp "$WORK/cache_$dtype/extract.log" "$OUT/extract_$dtype.log"
         done
         ;;
     train)
         # One run per feature dtype and learning rate (run_<dtype>, or run_<dtype>_lr<lr> when LRS names several).
+        # VARIANTS ("NAME:LR:FLAG,FLAG ..."): one run per entry instead (run_<dtype>_<NAME>), each with its own
+        # learning rate and extra training flags (--flag=value, comma-separated).
         runs=()
         for dtype in $DTYPES; do
+            if [ -n "$VARIANTS" ]; then
+                for variant in $VARIANTS; do
+                    IFS=: read -r vname lr vflags <<<"$variant"
+                    runs+=("$dtype:$lr:run_${dtype}_$vname:${vflags//,/ }")
+                done
+                continue
+            fi
             for lr in $LRS; do
                 name=run_$dtype
                 [ "$(wc -w <<<"$LRS")" -gt 1 ] && name=run_${dtype}_lr$lr
-                runs+=("$dtype:$lr:$name")
+                runs+=("$dtype:$lr:$name:")
             done
         done
         [ -n "$INIT" ] && TRAIN_FLAGS="$TRAIN_FLAGS --init-from $INIT"
         # Calibrate: steps/s of each run while all of them run side by side, as they will.
         for run in "${runs[@]}"; do
-            IFS=: read -r dtype lr name <<<"$run"
+            IFS=: read -r dtype lr name flags <<<"$run"
             # shellcheck disable=SC2086
             $DF train --cache "$WORK/cache_$dtype" --out "$WORK/calib_$name" --max-steps 60 --lr "$lr" $TRAIN_FLAGS \
-                --eval-every 0 --checkpoint-every 0 >"$OUT/calib_$name.log" 2>&1 &
+                $flags --eval-every 0 --checkpoint-every 0 >"$OUT/calib_$name.log" 2>&1 &
         done
         timed calibrate wait
         # TRAIN_END (epoch seconds): train until then instead of for TRAIN_SECONDS, so that time the earlier
         # stages left over goes to training.
         [ -n "${TRAIN_END:-}" ] && TRAIN_SECONDS=$((TRAIN_END - $(date +%s)))
-        steps=$(python3 - "$TRAIN_SECONDS" "$WORK"/calib_* <<'EOF'
+        # Steps per run: the same for all (the slowest one's rate; the fp8-vs-bf16 comparison), but each its own
+        # when VARIANTS differ in cost per step.
+        per_run=$([ -n "$VARIANTS" ] && echo 1 || echo 0)
+        steps=$(python3 - "$TRAIN_SECONDS" "$per_run" "$WORK"/calib_* <<'EOF'
 import json, sys
-budget, runs = float(sys.argv[1]), sys.argv[2:]
-rates = []
+budget, per_run, runs = float(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
+rates = {}
 for run in runs:
     records = {r["step"]: r for r in map(json.loads, open(f"{run}/metrics.jsonl")) if "elapsed_s" in r}
-    rates.append(40 / (records[60]["elapsed_s"] - records[20]["elapsed_s"]))
-    print(f"{run}: {rates[-1]:.2f} steps/s", file=sys.stderr)
-print(int(min(rates) * (budget - 120)))  # startup, evaluations, checkpoints and the final export
+    name = run.rsplit("/calib_", 1)[1]
+    rates[name] = 40 / (records[60]["elapsed_s"] - records[20]["elapsed_s"])
+    print(f"{name}: {rates[name]:.2f} steps/s", file=sys.stderr)
+# 120 s for startup, evaluations, checkpoints and the final export
+print(" ".join(f"{name}={int((rate if per_run else min(rates.values())) * (budget - 120))}"
+               for name, rate in rates.items()))
 EOF
 )
         echo "train steps fitted to ${TRAIN_SECONDS}s: $steps" | tee -a "$OUT/timings.tsv"
         for run in "${runs[@]}"; do
-            IFS=: read -r dtype lr name <<<"$run"
+            IFS=: read -r dtype lr name flags <<<"$run"
+            run_steps=$(tr ' ' '\n' <<<"$steps" | sed -n "s/^$name=//p")
             # shellcheck disable=SC2086
             timeout -s TERM "$TRAIN_SECONDS" $DF train --cache "$WORK/cache_$dtype" --out "$WORK/$name" \
-                --max-steps "$steps" --lr "$lr" $TRAIN_FLAGS >"$OUT/train_$name.out" 2>&1 &
+                --max-steps "$run_steps" --lr "$lr" $TRAIN_FLAGS $flags >"$OUT/train_$name.out" 2>&1 &
         done
         timed train wait
         for run in "$WORK"/run_*; do
