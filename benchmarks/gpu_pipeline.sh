@@ -12,13 +12,15 @@
 #             GEN_SECONDS=0 generates nothing and uses the carried conversations only
 #   probe     (meant to run beside generate) flex vs SDPA phase probe and the loader-vs-memory train bench
 #   extract   dflash extract of what was generated, once per feature dtype in DTYPES (bf16, fp8), each followed
-#             by inspect --verify
+#             by inspect --verify (unless VERIFY=0)
 #   train     a short calibration run per dtype measures steps/s; then one run per dtype, side by side, at
 #             learning rate LR with the same --max-steps fitted to TRAIN_SECONDS (same data, same steps: the
-#             fp8-vs-bf16 comparison); the bf16 run is the headline
-#   eval      dflash eval of each run on MT-Bench, HumanEval and the held-out split (one process each)
-#   keep      the best run's export (by held-out offline tau) into $KEEP, its weights split into 15 MB parts, so
-#             that it can come back and start the next session's runs (INIT=folder: `dflash train --init-from`)
+#             fp8-vs-bf16 comparison); or one run per learning rate in LRS, or per entry of VARIANTS (each with
+#             its own flags and its own steps)
+#   eval      dflash eval of each run's best export (export_best/: its best held-out evaluation) on MT-Bench,
+#             HumanEval and the held-out split (one process each)
+#   keep      the best run's best export (by held-out offline tau) into $KEEP, its weights split into 15 MB parts,
+#             so that it can come back and start the next session's runs (INIT=folder: `dflash train --init-from`)
 #   bench     benchmarks/bench_train.py (loader vs in-memory, Qwen3-8B-shaped drafter, profiled; once per
 #             variant in BENCH_VARIANTS: flex, sdpa, flex_compile, sdpa_compile) and
 #             benchmarks/bench_grouped_attention.py (SDPA over the whole mask vs per group of blocks)
@@ -32,15 +34,19 @@
 #             started detached (setsid) so that short device calls can poll $OUT while it runs
 # Figures and logs go to $OUT, stage times to $OUT/timings.tsv.
 #
-# The headline on the 4,215 carried conversations as run on 2026-12-04 (one fp8 cache, two learning rates side by
-# side, the better one evaluated; 1,385 s of device time), in one 30-minute device session (the machine is released
-# 30 s after a call, so issue each call right after the previous one returns):
+# The headline on the 4,215 carried conversations as run on 2026-12-04 (fifth session: one fp8 cache, two drafters
+# side by side at 64 and 16 anchors per sequence, the better one evaluated; 1,583 s of device time with a longer
+# evaluation afterwards), in one 30-minute device session (the machine is released 30 s after a call, so issue each
+# call right after the previous one returns):
 #   here:    bash benchmarks/gpu_carry.sh
 #   call 1:  carry .whl .carry_a;  export OUT2=$OUT OUT=/tmp/gpu_out; bash benchmarks/gpu_pipeline.sh setup
 #   call 2:  carry .carry_b;  export OUT2=$OUT OUT=/tmp/gpu_out TRAIN_END=$(( $(date +%s) + LEFT - 515 ));
 #            cp -r . /tmp/repo && cd /tmp/repo && bash benchmarks/gpu_pipeline.sh model &&
-#            (GEN_SECONDS=0 DTYPES=fp8 LRS="6e-4 2e-3" EVAL_RUNS=best setsid nohup bash benchmarks/gpu_pipeline.sh
-#             headline >/tmp/gpu_out/headline.out 2>&1 </dev/null &); sleep 530; tar czf $OUT2/state.tgz -C /tmp/gpu_out .
+#            (GEN_SECONDS=0 DTYPES=fp8 VERIFY=0 EVAL_RUNS=best KEEP=/tmp/gpu_keep
+#             VARIANTS="a64:1e-3:--max-anchors=64,--eval-every=500,--checkpoint-every=500,--num-workers=6
+#             c16:6e-4:--max-anchors=16,--eval-every=2000,--checkpoint-every=2000,--num-workers=6"
+#             setsid nohup bash benchmarks/gpu_pipeline.sh headline >/tmp/gpu_out/headline.out 2>&1 </dev/null &);
+#            sleep 400; tar czf $OUT2/state.tgz -C /tmp/gpu_out .
 #            (LEFT = the budget_left_s that the reply to call 1 gave; 515 s leave the evaluation, ~270 s, the
 #            export and the last call's transfers)
 #   then:    sleep up to 560 s per call and tar again, until timings.tsv ends with "headline done"
@@ -57,8 +63,10 @@ NEW_TOKENS=${NEW_TOKENS:-512}
 GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 2 --batch-tokens 1310720 --chunk-size 512 --static-cache}
 MAX_LENGTH=${MAX_LENGTH:-2048}
 TRAIN_SECONDS=${TRAIN_SECONDS:-540}  # or TRAIN_END, below
-TRAIN_FLAGS=${TRAIN_FLAGS:---attention sdpa --eval-every 200 --checkpoint-every 200 --batch-tokens 16384 --num-workers 4}
-LR=${LR:-6e-4}
+# 64 anchors per sequence: with answers of a few hundred tokens, 512 (the reference's default, for 3,072-token
+# samples) pads every sample to 8,192 block positions and makes steps ~7x slower for no better tau per step (README)
+TRAIN_FLAGS=${TRAIN_FLAGS:---attention sdpa --eval-every 500 --checkpoint-every 500 --batch-tokens 16384 --max-anchors 64 --num-workers 6}
+LR=${LR:-1e-3}
 LRS=${LRS:-$LR}  # several ("6e-4 2e-3"): one run per learning rate, side by side
 VARIANTS=${VARIANTS:-}  # "NAME:LR:FLAG,FLAG ..." (e.g. "a64:1e-3:--max-anchors=64"): one run per entry, see train
 VERIFY=${VERIFY:-1}  # 0: no `inspect --verify` after extract (a cache already verified in an earlier session)
@@ -87,17 +95,22 @@ timed() {  # timed NAME COMMAND...: run, append "NAME seconds rc" to timings.tsv
     return 0
 }
 
-best_run() {  # the name of the run with the highest held-out offline tau at its last evaluation
+best_run() {  # the name of the run with the highest held-out offline tau at any evaluation after step 0
     python3 - "$WORK"/run_* 2> >(tee -a "$OUT/timings.tsv" >&2) <<'EOF'
 import json, sys
 from pathlib import Path
-last = {}
+best = {}
 for run in map(Path, sys.argv[1:]):
-    taus = [r["eval/tau_walk"] for r in map(json.loads, open(run / "metrics.jsonl")) if "eval/tau_walk" in r]
-    last[run.name] = taus[-1] if taus else 0.0
-print(max(last, key=last.get))
-print(f"best run by held-out tau_walk: {last}", file=sys.stderr)
+    taus = [r["eval/tau_walk"] for r in map(json.loads, open(run / "metrics.jsonl")) if "eval/tau_walk" in r
+            and r["step"] > 0]
+    best[run.name] = max(taus, default=0.0)
+print(max(best, key=best.get))
+print(f"best run by held-out tau_walk: {best}", file=sys.stderr)
 EOF
+}
+
+best_export() {  # best_export RUN_DIR: the run's export of its best evaluation (export_best/), else its last
+    if [ -f "$1/export_best/config.json" ]; then echo "$1/export_best"; else echo "$1/export"; fi
 }
 
 for stage in "$@"; do
@@ -231,7 +244,7 @@ EOF
             name=$(basename "$run")
             [ -f "$run/export/config.json" ] || $DF export --run "$run"
             mkdir -p "$OUT/$name"
-            cp "$run/metrics.jsonl" "$run/train.log" "$run/"*.png "$OUT/$name/" 2>/dev/null
+            cp "$run/metrics.jsonl" "$run/train.log" "$run/"*.png "$run/export_best/best.json" "$OUT/$name/" 2>/dev/null
         done
         ;;
     eval)
@@ -240,7 +253,7 @@ EOF
             name=$(basename "$run")
             [ -z "$EVAL_RUNS" ] || [[ " $EVAL_RUNS " == *" $name "* ]] || continue
             for data in mtbench humaneval heldout; do
-                $DF eval --draft "$run/export" --data "$data" --max-samples "$EVAL_SAMPLES" \
+                $DF eval --draft "$(best_export "$run")" --data "$data" --max-samples "$EVAL_SAMPLES" \
                     --max-new-tokens "$EVAL_TOKENS" --out "$OUT/eval_${name}_$data" >"$OUT/eval_${name}_$data.out" 2>&1 &
             done
         done
@@ -251,8 +264,8 @@ EOF
         # `cat model.safetensors.part* >model.safetensors` and pass the folder as INIT in the next session.
         best=$(best_run)
         rm -rf "$KEEP" && mkdir -p "$KEEP"
-        cp "$WORK/$best/export/"*.json "$KEEP/"
-        split -b 15000000 -a 1 "$WORK/$best/export/model.safetensors" "$KEEP/model.safetensors.part"
+        cp "$(best_export "$WORK/$best")/"*.json "$KEEP/"
+        split -b 15000000 -a 1 "$(best_export "$WORK/$best")/model.safetensors" "$KEEP/model.safetensors.part"
         echo "kept $best in $KEEP" | tee -a "$OUT/timings.tsv"
         ;;
     bench)

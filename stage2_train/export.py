@@ -23,8 +23,9 @@ WEIGHTS_FILE = "model.safetensors"
 TARGET_INFO_FILE = "dflash_target.json"
 
 
-def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any]) -> None:
-    """Write config.json + model.safetensors (bf16) atomically into out_dir."""
+def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any], *,
+                 extra_files: dict[str, str] | None = None) -> None:
+    """Write config.json + model.safetensors (bf16), and any extra_files (name: text), atomically into out_dir."""
     from safetensors.torch import save_file
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
@@ -46,6 +47,8 @@ def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any
         "layer_ids": identity.get("layer_ids"),
     }
     (tmp / TARGET_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
 

@@ -34,6 +34,8 @@ log = get_logger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 EXPORT_DIR = "export"
+BEST_EXPORT_DIR = "export_best"  # the drafter at the evaluation with the best held-out tau so far
+BEST_RECORD_FILE = "best.json"  # in BEST_EXPORT_DIR: that evaluation's step and tau
 METRICS_FILE = "metrics.jsonl"
 DRAFT_CONFIG_FILE = "draft_config.json"
 CACHE_MANIFEST_FILE = "cache_manifest.json"
@@ -187,6 +189,7 @@ class Trainer:
         self._checkpointed_step: int | None = None  # steps already saved / evaluated, so the end of training
         self._evaluated_step: int | None = None  # does not repeat what --checkpoint-every / --eval-every just did
         self._last_eval: dict[str, Any] = {}
+        self._best_tau = self._recorded_best_tau() if options.resume else -math.inf
         self.accelerator.register_for_checkpointing(self.state)
         self.tensorboard = None
         if main:
@@ -425,6 +428,13 @@ class Trainer:
             log.info("eval step %d: tau %.3f (walk), %.3f (random anchors); acceptance by position %s",
                      self.state.step, result["tau_walk"], result["tau_random_anchors"],
                      [round(x, 3) for x in result["acceptance_by_position"]])
+            if self.state.step > 0 and result["tau_walk"] > self._best_tau:
+                # A drafter trained for many epochs on little data overfits: its held-out tau peaks before the
+                # schedule ends (H200 headline, README). Keep the peak as well as the end.
+                self._best_tau = result["tau_walk"]
+                record = {"step": self.state.step, "tau_walk": result["tau_walk"]}
+                export_draft(model, self.out / BEST_EXPORT_DIR, self.manifest,
+                             extra_files={BEST_RECORD_FILE: json.dumps(record) + "\n"})
             self._log_metrics({"step": self.state.step, **{f"eval/{k}": v for k, v in result.items()}})
             from stage2_train.plots import write_plots
 
@@ -432,6 +442,11 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         self._evaluated_step, self._last_eval = self.state.step, result
         return result
+
+    def _recorded_best_tau(self) -> float:
+        """The held-out tau of the best export a resumed run already kept (-inf when it kept none)."""
+        path = self.out / BEST_EXPORT_DIR / BEST_RECORD_FILE
+        return float(json.loads(path.read_text())["tau_walk"]) if path.is_file() else -math.inf
 
     def _whole_drafter(self) -> DFlashDraftModel | None:
         """The drafter with all of its weights on the main process (None on the others), to evaluate and export.

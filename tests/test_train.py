@@ -206,10 +206,20 @@ def test_init_from_an_export_starts_from_its_weights_and_refuses_another_drafter
                                                                                  tmp_path: Path) -> None:
     """--init-from EXPORT: the new run starts from the export's weights (with an lr too small to move them, its own
     export is the same bit for bit, and its step-0 evaluation equals the end of the first run's); an export of
-    another drafter shape, or a folder that is no export, is refused by name."""
+    another drafter shape, or a folder that is no export, is refused by name. The first run also keeps the drafter
+    of its best held-out evaluation after step 0 in export_best/, with that evaluation's step and tau."""
     args = ("--max-steps", "2", "--eval-every", "2", "--checkpoint-every", "0", *TRAIN_ARGS)
     first, second = tmp_path / "first", tmp_path / "second"
-    assert run_dflash("train", "--cache", str(train_cache), "--out", str(first), *args).returncode == 0
+    assert run_dflash("train", "--cache", str(train_cache), "--out", str(first), *args, "--eval-every", "1",
+                      "--lr", "3e-2").returncode == 0
+    first_taus = {r["step"]: r["eval/tau_walk"] for r in map(json.loads, (first / "metrics.jsonl").read_text()
+                                                             .splitlines()) if "eval/tau_walk" in r and r["step"]}
+    best_step = max(first_taus, key=lambda step: (first_taus[step], -step))  # the first of equal ones
+    best = json.loads((first / "export_best" / "best.json").read_text())
+    assert best == {"step": best_step, "tau_walk": first_taus[best_step]} and sorted(first_taus) == [1, 2]
+    best_weights, last_weights = (load_file(str(first / name / "model.safetensors")) for name in ("export_best",
+                                                                                                   "export"))
+    assert all(torch.equal(best_weights[k], last_weights[k]) for k in last_weights) == (best_step == 2)
     result = run_dflash("train", "--cache", str(train_cache), "--out", str(second), *args, "--lr", "1e-30",
                         "--init-from", str(first / "export"))
     assert result.returncode == 0, result.stderr[-3000:]
