@@ -95,15 +95,14 @@ timed() {  # timed NAME COMMAND...: run, append "NAME seconds rc" to timings.tsv
     return 0
 }
 
-best_run() {  # the name of the run with the highest held-out offline tau at any evaluation after step 0
+best_run() {  # the name of the run with the highest held-out offline tau, as its export_best/best.json records it
     python3 - "$WORK"/run_* 2> >(tee -a "$OUT/timings.tsv" >&2) <<'EOF'
 import json, sys
 from pathlib import Path
 best = {}
 for run in map(Path, sys.argv[1:]):
-    taus = [r["eval/tau_walk"] for r in map(json.loads, open(run / "metrics.jsonl")) if "eval/tau_walk" in r
-            and r["step"] > 0]
-    best[run.name] = max(taus, default=0.0)
+    record = run / "export_best" / "best.json"  # dflash train's best evaluation after step 0
+    best[run.name] = json.loads(record.read_text())["tau_walk"] if record.is_file() else 0.0
 print(max(best, key=best.get))
 print(f"best run by held-out tau_walk: {best}", file=sys.stderr)
 EOF
@@ -263,9 +262,10 @@ EOF
         # The best run's export in parts small enough to come back from the device (16 MiB a file); join them with
         # `cat model.safetensors.part* >model.safetensors` and pass the folder as INIT in the next session.
         best=$(best_run)
+        kept=$(best_export "$WORK/$best")
         rm -rf "$KEEP" && mkdir -p "$KEEP"
-        cp "$(best_export "$WORK/$best")/"*.json "$KEEP/"
-        split -b 15000000 -a 1 "$(best_export "$WORK/$best")/model.safetensors" "$KEEP/model.safetensors.part"
+        cp "$kept/"*.json "$KEEP/"
+        split -b 15000000 -a 1 "$kept/model.safetensors" "$KEEP/model.safetensors.part"
         echo "kept $best in $KEEP" | tee -a "$OUT/timings.tsv"
         ;;
     bench)

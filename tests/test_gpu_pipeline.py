@@ -18,7 +18,7 @@ from tests.conftest import REPO
 
 # A stand-in for `python3 -m shared.cli`: records its arguments; `train` writes the metrics a calibration or a run
 # would (a rate of 10 steps/s with --max-anchors=64, else 2) and, for a real run, exports; the run named *a64 has
-# its best held-out evaluation at step 500, the others at their end.
+# its best held-out evaluation at its end, the others at step 500 (the first in glob order is not the best).
 STUB = r'''
 import json, os, sys
 from pathlib import Path
@@ -33,13 +33,14 @@ if args[0] == "train":
     rate = 10.0 if "--max-anchors=64" in args else 2.0
     records = [{"step": s, "elapsed_s": s / rate, "loss": 1.0} for s in (20, 60)]
     if not out.name.startswith("calib_"):
-        taus = {500: 3.0, 1000: 2.0} if out.name.endswith("a64") else {500: 2.2, 1000: 2.5}
+        taus = {500: 2.2, 1000: 2.5} if out.name.endswith("a64") else {500: 3.0, 1000: 2.0}
         records += [{"step": 0, "eval/tau_walk": 1.0}] + [{"step": s, "eval/tau_walk": t} for s, t in taus.items()]
         best = max(taus, key=taus.get)
         for folder, tag in (("export", "last"), ("export_best", f"best-{best}")):
             (out / folder).mkdir()
             (out / folder / "config.json").write_text(json.dumps({"tag": tag}))
             (out / folder / "model.safetensors").write_bytes(tag.encode() * 4_000_000)  # 3 parts of 15 MB
+        (out / "export_best" / "best.json").write_text(json.dumps({"step": best, "tau_walk": taus[best]}))
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 '''
 
@@ -62,13 +63,13 @@ def test_variants_train_with_their_own_steps_and_the_best_export_is_evaluated_an
     assert "--max-anchors=64" in a64 and "--eval-every=500" in a64 and a64[a64.index("--lr") + 1] == "1e-3"
     assert "--max-anchors=16" in c16 and c16[c16.index("--lr") + 1] == "6e-4"
     assert a64[a64.index("--max-steps") + 1] == str(10 * 480) and c16[c16.index("--max-steps") + 1] == str(2 * 480)
-    # a64 is the best run by its best evaluation (3.0 at step 500), though its last one (2.0) is below c16's 2.5.
+    # c16 is the best run by its best evaluation (3.0 at step 500), though its last one (2.0) is below a64's 2.5.
     evals = [c for c in calls if c[0] == "eval"]
     assert sorted(c[c.index("--data") + 1] for c in evals) == ["heldout", "humaneval", "mtbench"]
-    assert {c[c.index("--draft") + 1] for c in evals} == {str(work / "run_fp8_a64" / "export_best")}
+    assert {c[c.index("--draft") + 1] for c in evals} == {str(work / "run_fp8_c16" / "export_best")}
     assert json.loads((keep / "config.json").read_text()) == {"tag": "best-500"}
     parts = sorted(keep.glob("model.safetensors.part*"))
     assert len(parts) == 3 and all(p.stat().st_size <= 15_000_000 for p in parts)  # 32 MB
     joined = b"".join(p.read_bytes() for p in parts)
-    assert joined == (work / "run_fp8_a64" / "export_best" / "model.safetensors").read_bytes()
-    assert "kept run_fp8_a64" in (out / "timings.tsv").read_text()
+    assert joined == (work / "run_fp8_c16" / "export_best" / "model.safetensors").read_bytes()
+    assert "kept run_fp8_c16" in (out / "timings.tsv").read_text()
