@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stage1_extract.capture import default_layer_ids  # noqa: E402
-from stage1_extract.conversations import TokenizedSample, load_conversations, tokenize_conversation  # noqa: E402
-from stage1_extract.worker import ShardExtractor, WorkerConfig, plan_batches  # noqa: E402
+from dflash.stage1_extract.capture import default_layer_ids  # noqa: E402
+from dflash.stage1_extract.conversations import TokenizedSample, load_conversations, tokenize_conversation  # noqa: E402
+from dflash.stage1_extract.worker import ShardExtractor, WorkerConfig, plan_batches  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -146,7 +146,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.target == "smollm2":
-        from shared.target_loading import load_target_model, load_tokenizer, resolve_target
+        from dflash.shared.target_loading import load_target_model, load_tokenizer, resolve_target
 
         load_path = resolve_target(None).load_path
         model = load_target_model(load_path, str(device))

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stage2_train.attention_masks import AnchorLayout, batch_dense_mask, grouped_dense_mask  # noqa: E402
-from stage2_train.draft_model import DFlashDraftModel, config_from_target  # noqa: E402
+from dflash.stage2_train.attention_masks import AnchorLayout, batch_dense_mask, grouped_dense_mask  # noqa: E402
+from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target  # noqa: E402
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -21,7 +21,7 @@ from typing import Any
 
 
 def epoch_throughput(cache: Path, workers: int, batch_tokens: int) -> dict[str, float]:
-    from stage2_train.data import CacheBatches, CacheIndex, make_loader, plan_epoch
+    from dflash.stage2_train.data import CacheBatches, CacheIndex, make_loader, plan_epoch
 
     index = CacheIndex.from_cache(cache, eval_fraction=0.0, seed=0)
     plan = plan_epoch(index, 0, 0, batch_tokens)
@@ -50,7 +50,7 @@ def start_moto() -> Any:
 
 
 def main() -> None:
-    from shared import object_store
+    from dflash.shared import object_store
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache", type=Path, required=True, help="A local cache to publish and read.")

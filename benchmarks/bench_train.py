@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared import cache_format as cf  # noqa: E402
-from stage1_extract.shard_writer import FeatureShardWriter  # noqa: E402
+from dflash.shared import cache_format as cf  # noqa: E402
+from dflash.stage1_extract.shard_writer import FeatureShardWriter  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -169,8 +169,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.samples < args.batch * (args.steps + 1):  # the loader variant reads one first batch, then --steps
         parser.error(f"--samples must be at least --batch x (--steps + 1) = {args.batch * (args.steps + 1)}")
-    from stage2_train.loss import weight_sum
-    from stage2_train.trainer import TrainOptions, Trainer
+    from dflash.stage2_train.loss import weight_sum
+    from dflash.stage2_train.trainer import TrainOptions, Trainer
 
     target = TINY if args.tiny else QWEN3_8B
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="dflash-train-bench-"))

@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=20480)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    from shared.cache_format import StoreLayout
+    from dflash.shared.cache_format import StoreLayout
 
     layout = StoreLayout.for_feature_dim(args.dim)
     rows = int(args.gb * 1e9 / (args.dim * 2)) // layout.shard_rows * layout.shard_rows

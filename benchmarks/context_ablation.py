@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shared.cache_format as cf  # noqa: E402
-from stage2_train.trainer import Trainer  # noqa: E402
+import dflash.shared.cache_format as cf  # noqa: E402
+from dflash.stage2_train.trainer import Trainer  # noqa: E402
 
 
 def zero_the_features() -> None:
@@ -40,7 +40,7 @@ if __name__ == "__main__":
         sys.exit(__doc__)
     if sys.argv[1] == "zero":
         zero_the_features()
-    from shared.cli import main
+    from dflash.shared.cli import main
 
     sys.argv = ["dflash", "train", *sys.argv[2:]]
     main()

@@ -22,8 +22,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from stage2_train.acceptance import _run_ends, walk_acceptance
-from stage2_train.data import split_hash
+from dflash.stage2_train.acceptance import _run_ends, walk_acceptance
+from dflash.stage2_train.data import split_hash
 
 
 def copy_walk(ids: np.ndarray, loss_mask: np.ndarray, block_size: int) -> tuple[list[int], int, int]:
@@ -68,8 +68,8 @@ def copy_walk(ids: np.ndarray, loss_mask: np.ndarray, block_size: int) -> tuple[
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="JSON result file.")
 def main(data: str, model: str | None, max_samples: int | None, max_length: int, block_size: int,
          heldout_sequences: int | None, eval_fraction: float, seed: int, out: Path) -> None:
-    from shared.target_loading import load_tokenizer, resolve_target
-    from stage1_extract.conversations import load_conversations, tokenize_conversation
+    from dflash.shared.target_loading import load_tokenizer, resolve_target
+    from dflash.stage1_extract.conversations import load_conversations, tokenize_conversation
 
     start = time.time()
     target = resolve_target(model)

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stage2_train.attention_masks import AnchorLayout, make_block_mask  # noqa: E402
-from stage2_train.draft_model import DFlashDraftModel, config_from_target  # noqa: E402
+from dflash.stage2_train.attention_masks import AnchorLayout, make_block_mask  # noqa: E402
+from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target  # noqa: E402
 
 SHAPES = {  # target config, context length, batch, anchors
     "smollm2": (dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

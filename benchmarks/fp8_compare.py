@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def dflash(*args: str) -> float:
     started = time.time()
-    subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=REPO, check=True)
+    subprocess.run([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, check=True)
     return time.time() - started
 
 

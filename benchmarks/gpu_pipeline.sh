@@ -81,9 +81,12 @@ KEEP=${KEEP:-}  # a folder outside $OUT: the best run's export, its weights in 1
 EVAL_RUNS=${EVAL_RUNS:-}  # run folder names (run_bf16 ...); empty = every run; best = the best offline tau
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
-export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 DFLASH_HOME=${DFLASH_HOME:-/tmp/dflash_home}
+# dflash without installing it: a `dflash` namespace folder whose packages are this tree's top-level folders.
+mkdir -p "$WORK/import/dflash"
+for package in shared stage1_extract stage2_train; do ln -sfn "$PWD/$package" "$WORK/import/dflash/$package"; done
+export PYTHONPATH=$SITE:$WORK/import:$PWD PYTHONUNBUFFERED=1 DFLASH_HOME=${DFLASH_HOME:-/tmp/dflash_home}
 mkdir -p "$OUT" "$WORK"
-DF=${DF:-python3 -m shared.cli}  # (a stub in a dry run of the stage logic)
+DF=${DF:-python3 -m dflash.shared.cli}  # (a stub in a dry run of the stage logic)
 
 timed() {  # timed NAME COMMAND...: run, append "NAME seconds rc" to timings.tsv
     local name=$1 start rc
@@ -136,7 +139,7 @@ with gzip.open(f"{work}/sharegpt.jsonl.gz", "wt", encoding="utf-8") as out:
 print(f"carried\t{len(done)} conversations generated in earlier sessions; {len(records)} first turns left")
 EOF
         fi
-        timed convert_gguf python3 -c 'from shared.target_loading import resolve_target; resolve_target(None)'
+        timed convert_gguf python3 -c 'from dflash.shared.target_loading import resolve_target; resolve_target(None)'
         ;;
     generate)
         mkdir -p "$WORK/gen"
@@ -149,7 +152,7 @@ EOF
         python3 - "$WORK/gen" "$WORK/carried.jsonl" <<'EOF' | tee -a "$OUT/timings.tsv"
 import json, sys
 from pathlib import Path
-from stage1_extract.generate_run import read_finished
+from dflash.stage1_extract.generate_run import read_finished
 out, carried = Path(sys.argv[1]), Path(sys.argv[2])
 records = list(read_finished(out).values())
 kept = [r for r in records if "skipped" not in r]
@@ -296,7 +299,7 @@ EOF
         # One process per GPU (two processes cannot share one GPU under NCCL); with one GPU FSDP shards nothing
         # (NO_SHARD) but still runs the plugin, the gathers for evaluation and export, and its checkpoint format.
         gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-        timed flags_fsdp python3 -m torch.distributed.run --nproc_per_node "$gpus" -m shared.cli train $common \
+        timed flags_fsdp python3 -m torch.distributed.run --nproc_per_node "$gpus" -m dflash.shared.cli train $common \
             --out "$WORK/flags_fsdp" --attention sdpa --fsdp >"$OUT/flags_fsdp.out" 2>&1
         rm -rf "$WORK/flags_fsdp/export"
         timed flags_fsdp_export $DF export --run "$WORK/flags_fsdp" >>"$OUT/flags_fsdp.out" 2>&1

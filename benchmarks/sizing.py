@@ -126,7 +126,7 @@ class Rates:
 
 
 def default_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
-    """The reference rule (same as stage1_extract.capture.default_layer_ids; a test checks they agree)."""
+    """The reference rule (same as dflash.stage1_extract.capture.default_layer_ids; a test checks they agree)."""
     if num_draft_layers == 1:
         return [num_layers // 2]
     start, end = 1, num_layers - 3

@@ -12,7 +12,7 @@ from typing import Any
 import click
 import numpy as np
 
-from shared import cache_format as cf
+from dflash.shared import cache_format as cf
 
 HEARTBEAT_STALE_S = 30.0
 
@@ -156,7 +156,7 @@ def inspect_command(location: str, verify: bool, as_json: bool) -> None:
     With --verify, exit code 1 when any shard is damaged; each problem names the shard and the command that
     re-extracts it.
     """
-    from shared.object_store import resolve_cache
+    from dflash.shared.object_store import resolve_cache
 
     cache_dir = resolve_cache(location)
     summary = cache_summary(cache_dir)

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.errors import UserError
+from dflash.shared.errors import UserError
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -95,7 +95,7 @@ def shard_path(cache_dir: Path, index: int) -> Path:
 def shard_source(cache_dir: Path, index: int) -> Any:
     """Where to read shard `index` from: its folder, or (for the local mirror of a cache in object storage,
     shared/object_store.py) a zarr store in the bucket."""
-    from shared.object_store import remote_source
+    from dflash.shared.object_store import remote_source
 
     remote = remote_source(cache_dir, index)
     return shard_path(cache_dir, index) if remote is None else remote

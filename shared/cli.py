@@ -13,16 +13,16 @@ from typing import Any
 
 import click
 
-from shared.errors import user_facing_errors
+from dflash.shared.errors import user_facing_errors
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("stage1_extract.cli", "generate_command"),
-    "extract": ("stage1_extract.cli", "extract_command"),
-    "status": ("shared.cache_commands", "status_command"),
-    "inspect": ("shared.cache_commands", "inspect_command"),
-    "train": ("stage2_train.cli", "train_command"),
-    "export": ("stage2_train.cli", "export_command"),
-    "eval": ("stage2_train.cli", "eval_command"),
+    "generate": ("dflash.stage1_extract.cli", "generate_command"),
+    "extract": ("dflash.stage1_extract.cli", "extract_command"),
+    "status": ("dflash.shared.cache_commands", "status_command"),
+    "inspect": ("dflash.shared.cache_commands", "inspect_command"),
+    "train": ("dflash.stage2_train.cli", "train_command"),
+    "export": ("dflash.stage2_train.cli", "export_command"),
+    "eval": ("dflash.stage2_train.cli", "eval_command"),
 }
 
 

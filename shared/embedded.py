@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from shared.errors import UserError
+from dflash.shared.errors import UserError
 
 
 class EmbeddedDataMissing(UserError):

@@ -34,8 +34,8 @@ from typing import Any
 from zarr.storage import LocalStore
 from zarr.storage._wrapper import WrapperStore
 
-from shared import cache_format as cf
-from shared.errors import UserError
+from dflash.shared import cache_format as cf
+from dflash.shared.errors import UserError
 
 REMOTE_FILE = "remote.json"  # in a mirror folder: {"url": "s3://..."}
 SCHEMES = ("s3://",)

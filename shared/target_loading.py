@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared import embedded
-from shared.errors import UserError
-from shared.logs import get_logger
+from dflash.shared import embedded
+from dflash.shared.errors import UserError
+from dflash.shared.logs import get_logger
 
 log = get_logger(__name__)
 

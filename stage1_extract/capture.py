@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shared.errors import UserError
+from dflash.shared.errors import UserError
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

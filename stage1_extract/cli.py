@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from stage1_extract.conversations import OVERLENGTH_MODES
+from dflash.stage1_extract.conversations import OVERLENGTH_MODES
 
 
 def _layer_list(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[int] | None:
@@ -20,7 +20,7 @@ def _layer_list(_ctx: click.Context, _param: click.Parameter, value: str | None)
 
 
 def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    from stage1_extract.supervisor import parse_shard_spec
+    from dflash.stage1_extract.supervisor import parse_shard_spec
 
     if value is not None:
         try:
@@ -81,8 +81,8 @@ def extract_command(**kwargs: object) -> None:
     Exit codes: 0 done, 1 a worker failed (traceback in the log), 2 bad option or input, 3 refused (cache made
     with other settings, or shards locked by another run), 130/143 interrupted (rerun to resume).
     """
-    from shared import object_store
-    from stage1_extract.supervisor import EXIT_REFUSED, ExtractOptions, ExtractRefused, run_extract
+    from dflash.shared import object_store
+    from dflash.stage1_extract.supervisor import EXIT_REFUSED, ExtractOptions, ExtractRefused, run_extract
 
     url, staging = str(kwargs.pop("out")), kwargs.pop("staging")
     remote = object_store.is_remote(url)
@@ -154,8 +154,8 @@ def generate_command(**kwargs: object) -> None:
     Exit codes: 0 done, 1 a worker failed (see OUT/generate.log), 2 bad option or input, 3 refused (output made
     with other settings, or in use by another run), 130/143 interrupted (rerun to resume).
     """
-    from stage1_extract.generate_run import GenerateOptions, run_generate
-    from stage1_extract.supervisor import EXIT_REFUSED, ExtractRefused
+    from dflash.stage1_extract.generate_run import GenerateOptions, run_generate
+    from dflash.stage1_extract.supervisor import EXIT_REFUSED, ExtractRefused
 
     try:
         code = run_generate(GenerateOptions(**kwargs))  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.errors import UserError
+from dflash.shared.errors import UserError
 
 __all__ = [
     "Conversation",
@@ -124,7 +124,7 @@ def _looks_like_path(data: str) -> bool:
 
 def _open_source(data: str | None, split: str) -> _Source:
     if data is None:
-        from shared.embedded import sharegpt_json
+        from dflash.shared.embedded import sharegpt_json
 
         path = sharegpt_json()
         notes: list[str] = []

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared import cache_format as cf
-from shared.logs import get_logger, setup_logging
-from shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids, target_content_hash
-from stage1_extract.conversations import Conversation, load_conversations, template_fingerprint
-from stage1_extract.regenerate import ConversationRegenerator, GenerateSettings
-from stage1_extract.supervisor import (
+from dflash.shared import cache_format as cf
+from dflash.shared.logs import get_logger, setup_logging
+from dflash.shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids, target_content_hash
+from dflash.stage1_extract.conversations import Conversation, load_conversations, template_fingerprint
+from dflash.stage1_extract.regenerate import ConversationRegenerator, GenerateSettings
+from dflash.stage1_extract.supervisor import (
     EXIT_FAILED,
     EXIT_OK,
     ExtractRefused,
@@ -41,7 +41,7 @@ from stage1_extract.supervisor import (
     stop_processes,
     wait_for_event,
 )
-from stage1_extract.worker import die_with_parent
+from dflash.stage1_extract.worker import die_with_parent
 
 log = get_logger(__name__)
 

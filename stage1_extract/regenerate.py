@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 import torch
 
-from shared.logs import get_logger
-from stage1_extract.conversations import Conversation, chat_token_ids
-from stage1_extract.worker import FAKE_OOM_ENV, plan_batches
+from dflash.shared.logs import get_logger
+from dflash.stage1_extract.conversations import Conversation, chat_token_ids
+from dflash.stage1_extract.worker import FAKE_OOM_ENV, plan_batches
 
 log = get_logger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.cache_format import (
+from dflash.shared.cache_format import (
     STORED_DTYPES,
     StoreLayout,
     bf16_bits,
@@ -32,7 +32,7 @@ from shared.cache_format import (
     split_fp8_rows,
     write_feature_scales,
 )
-from stage1_extract.zarr_shard_file import write_shard_file
+from dflash.stage1_extract.zarr_shard_file import write_shard_file
 
 
 class FeatureShardWriter:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared import cache_format as cf
-from shared.logs import get_logger, setup_logging
-from shared.target_loading import (
+from dflash.shared import cache_format as cf
+from dflash.shared.logs import get_logger, setup_logging
+from dflash.shared.target_loading import (
     ResolvedTarget,
     load_tokenizer,
     local_model_files,
@@ -30,10 +30,10 @@ from shared.target_loading import (
     stop_token_ids,
     target_content_hash,
 )
-from stage1_extract.capture import default_layer_ids, validate_layer_ids
-from stage1_extract.conversations import LoadedConversations, load_conversations, template_fingerprint
-from stage1_extract.target_export import export_target_files
-from stage1_extract.worker import ShardTask, WorkerConfig, worker_main
+from dflash.stage1_extract.capture import default_layer_ids, validate_layer_ids
+from dflash.stage1_extract.conversations import LoadedConversations, load_conversations, template_fingerprint
+from dflash.stage1_extract.target_export import export_target_files
+from dflash.stage1_extract.worker import ShardTask, WorkerConfig, worker_main
 
 log = get_logger(__name__)
 

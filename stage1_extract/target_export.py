@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from shared.cache_format import EMBEDDINGS_FILE
+from dflash.shared.cache_format import EMBEDDINGS_FILE
 
 EMBED_SUFFIX = "embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"

@@ -21,18 +21,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.cache_format import (
+from dflash.shared.cache_format import (
     encode_feature_rows,
     encoded_row_format,
     shard_path,
     stored_row_bytes,
     write_status,
 )
-from shared.logs import get_logger, setup_logging
-from shared.target_loading import load_target_model, load_tokenizer
-from stage1_extract.capture import FeatureCapture
-from stage1_extract.conversations import Conversation, TokenizedSample, tokenize_conversation
-from stage1_extract.shard_writer import FeatureShardWriter
+from dflash.shared.logs import get_logger, setup_logging
+from dflash.shared.target_loading import load_target_model, load_tokenizer
+from dflash.stage1_extract.capture import FeatureCapture
+from dflash.stage1_extract.conversations import Conversation, TokenizedSample, tokenize_conversation
+from dflash.stage1_extract.shard_writer import FeatureShardWriter
 
 log = get_logger(__name__)
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from stage2_train.attention_masks import AnchorLayout
+from dflash.stage2_train.attention_masks import AnchorLayout
 
 DEFAULT_ANCHOR_CHUNK = 256
 LOGITS_ROWS = 2048  # rows of logits built at once when taking the argmax (bounded memory for a 152K vocabulary)

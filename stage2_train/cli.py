@@ -59,7 +59,7 @@ import click
 @click.option("--num-workers", type=click.IntRange(min=0), default=2, show_default=True, help="DataLoader workers.")
 @click.option("--processes", type=click.IntRange(min=1), default=None,
               help="Training processes to spawn on this machine (default: one per GPU, 1 on CPU). "
-                   "`accelerate launch -m shared.cli train ...` works too.")
+                   "`accelerate launch -m dflash.shared.cli train ...` works too.")
 @click.option("-v", "--verbose", is_flag=True)
 def train_command(processes: int | None, compile_: bool, **kwargs: object) -> None:
     """Stage 2: train a DFlash drafter from a feature cache, measure its offline acceptance, export it.
@@ -73,9 +73,9 @@ def train_command(processes: int | None, compile_: bool, **kwargs: object) -> No
 
     import torch
 
-    from stage2_train.trainer import TrainOptions, run_training, spawn_processes
+    from dflash.stage2_train.trainer import TrainOptions, run_training, spawn_processes
 
-    from shared.object_store import resolve_cache
+    from dflash.shared.object_store import resolve_cache
 
     kwargs["cache"] = resolve_cache(str(kwargs["cache"]), read_through=bool(kwargs.pop("local_copy")))
     options = TrainOptions(compile=compile_, **kwargs)  # type: ignore[arg-type]
@@ -101,7 +101,7 @@ def refuse_cpu_launch_without_ranks() -> None:
     # The variables Accelerate itself reads for the world size of a CPU run (torchrun, mpirun flavours).
     world = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
     if str_to_bool(os.environ.get("ACCELERATE_USE_CPU", "false")) and "MASTER_ADDR" in os.environ and world == 1:
-        from shared.errors import UserError
+        from dflash.shared.errors import UserError
 
         raise UserError("`accelerate launch --cpu` started this process without a rank: with --cpu Accelerate starts "
                         "one process per launch (more need mpirun, --mpirun_hostfile), so each would train alone; "
@@ -117,7 +117,7 @@ def refuse_cpu_launch_without_ranks() -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Default: RUN/export.")
 def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> None:
     """Export a checkpoint of a run as a Hugging Face folder (config.json + model.safetensors)."""
-    from stage2_train.trainer import export_checkpoint
+    from dflash.stage2_train.trainer import export_checkpoint
 
     path = export_checkpoint(run_dir, checkpoint, out)
     click.echo(f"exported {path}")
@@ -145,8 +145,8 @@ def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_ne
     the same run. Greedy mode must reproduce the target's own greedy output."""
     import torch
 
-    from shared.logs import setup_logging
-    from stage2_train.evaluate import run_eval
+    from dflash.shared.logs import setup_logging
+    from dflash.stage2_train.evaluate import run_eval
 
     if threads:
         torch.set_num_threads(threads)

@@ -35,9 +35,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from shared import cache_format as cf
-from shared.cache_format import CacheError
-from shared.logs import get_logger
+from dflash.shared import cache_format as cf
+from dflash.shared.cache_format import CacheError
+from dflash.shared.logs import get_logger
 
 log = get_logger(__name__)
 
@@ -549,7 +549,7 @@ def make_loader(dataset: CacheBatches, num_workers: int, *, prefetch_factor: int
     workers then come from a forkserver, which has never touched the bucket.
     """
     if context is None:
-        from shared.object_store import is_mirror
+        from dflash.shared.object_store import is_mirror
 
         context = "forkserver" if is_mirror(dataset.cache_dir) else "fork"
     if pin_memory is None:

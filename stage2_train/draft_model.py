@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from stage2_train.attention_masks import (
+from dflash.stage2_train.attention_masks import (
     AnchorLayout,
     GroupedMask,
     batch_dense_mask,

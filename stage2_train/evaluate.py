@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from shared.errors import UserError
-from shared.logs import get_logger
-from stage2_train.export import TARGET_INFO_FILE, load_draft, read_target_info
-from stage2_train.speculative import (
+from dflash.shared.errors import UserError
+from dflash.shared.logs import get_logger
+from dflash.stage2_train.export import TARGET_INFO_FILE, load_draft, read_target_info
+from dflash.stage2_train.speculative import (
     SpecResult,
     acceptance_by_position,
     first_difference,
@@ -74,7 +74,7 @@ class Prompt:
 
 
 def _humaneval() -> Iterator[Prompt]:
-    from shared.embedded import humaneval_jsonl_gz
+    from dflash.shared.embedded import humaneval_jsonl_gz
 
     with gzip.open(humaneval_jsonl_gz(), "rt", encoding="utf-8") as handle:
         for line in handle:
@@ -84,7 +84,7 @@ def _humaneval() -> Iterator[Prompt]:
 
 
 def _mtbench() -> Iterator[Prompt]:
-    from shared.embedded import mtbench_questions
+    from dflash.shared.embedded import mtbench_questions
 
     with open(mtbench_questions(), encoding="utf-8") as handle:
         for line in handle:
@@ -158,7 +158,7 @@ def dataset_names(data: str) -> list[str]:
 def heldout_prompts(draft_dir: Path, max_samples: int, max_new_tokens: int) -> list[Prompt]:
     """Held-out samples of the run that exported `draft_dir`: cached prompt ids, and the cached sample cut to the
     prompt plus `max_new_tokens` response positions (what the live run generates)."""
-    from stage2_train.data import CacheIndex, eval_sequences
+    from dflash.stage2_train.data import CacheIndex, eval_sequences
 
     options_file = Path(draft_dir).resolve().parent / "train_options.json"
     if not options_file.is_file():
@@ -249,7 +249,7 @@ def check_compatibility(draft: Any, target: Any, info: Mapping[str, Any], draft_
 
 
 def _resolve_target_source(info: Mapping[str, Any], model: str | None, draft_dir: Path) -> Any:
-    from shared.target_loading import resolve_target
+    from dflash.shared.target_loading import resolve_target
 
     if model:
         source = info.get("target_source")
@@ -316,7 +316,7 @@ def compare_greedy(target: Any, prompt: Prompt, prompt_ids: list[int], reference
 
 def _offline_walk(draft: Any, embed: torch.Tensor, head: torch.Tensor, prompts: list[Prompt]) -> dict[str, Any]:
     """Training's offline acceptance walk over the same cached sequences (features of the cache, not live ones)."""
-    from stage2_train.acceptance import offline_acceptance
+    from dflash.stage2_train.acceptance import offline_acceptance
 
     dtype = next(draft.parameters()).dtype
     sequences = [{**p.cached, "features": p.cached["features"].to(dtype)} for p in prompts if p.cached is not None]
@@ -484,7 +484,7 @@ def run_eval(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Evaluate an exported drafter against its target on one or more datasets; write eval.json/.md/.png."""
-    from shared.target_loading import load_target_model, load_tokenizer, stop_token_ids
+    from dflash.shared.target_loading import load_target_model, load_tokenizer, stop_token_ids
 
     draft_dir = Path(draft_dir)
     out_dir = Path(out_dir)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from shared.errors import UserError
-from stage2_train.draft_model import DFlashConfig, DFlashDraftModel
+from dflash.shared.errors import UserError
+from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
 
 WEIGHTS_FILE = "model.safetensors"
 TARGET_INFO_FILE = "dflash_target.json"

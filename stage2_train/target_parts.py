@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from shared import cache_format as cf
-from shared.errors import UserError
+from dflash.shared import cache_format as cf
+from dflash.shared.errors import UserError
 
 
 @dataclass

@@ -20,15 +20,15 @@ from typing import Any
 
 import torch
 
-from shared import cache_format as cf
-from shared.errors import UserError
-from shared.logs import get_logger, setup_logging
-from stage2_train.acceptance import offline_acceptance
-from stage2_train.data import CacheBatches, CacheIndex, block_labels, eval_sequences, make_loader, plan_epoch
-from stage2_train.draft_model import DFlashDecoderLayer, DFlashDraftModel, config_from_target
-from stage2_train.export import export_draft
-from stage2_train.loss import default_gamma, dflash_loss, position_weights, weight_sum
-from stage2_train.target_parts import load_target_parts, resolve_mask_token
+from dflash.shared import cache_format as cf
+from dflash.shared.errors import UserError
+from dflash.shared.logs import get_logger, setup_logging
+from dflash.stage2_train.acceptance import offline_acceptance
+from dflash.stage2_train.data import CacheBatches, CacheIndex, block_labels, eval_sequences, make_loader, plan_epoch
+from dflash.stage2_train.draft_model import DFlashDecoderLayer, DFlashDraftModel, config_from_target
+from dflash.stage2_train.export import export_draft
+from dflash.stage2_train.loss import default_gamma, dflash_loss, position_weights, weight_sum
+from dflash.stage2_train.target_parts import load_target_parts, resolve_mask_token
 
 log = get_logger(__name__)
 
@@ -226,7 +226,7 @@ class Trainer:
         """--init-from: start from an exported drafter's weights (a fresh optimizer and schedule), e.g. to go on
         training across sessions of a lent GPU or to fine-tune on new data. It must be the same drafter for the
         same target; a checkpoint found by --resume takes precedence (it is loaded afterwards)."""
-        from stage2_train.export import load_draft_weights, read_target_info
+        from dflash.stage2_train.export import load_draft_weights, read_target_info
 
         config_path = export_dir / "config.json"
         if not config_path.is_file():
@@ -282,7 +282,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ one step
 
     def _micro_batch_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        from stage2_train.attention_masks import AnchorLayout
+        from dflash.stage2_train.attention_masks import AnchorLayout
 
         device = self.device
         labels, block_ids = block_labels(batch["input_ids"], batch["loss_mask"], batch["anchors"],
@@ -436,7 +436,7 @@ class Trainer:
                 export_draft(model, self.out / BEST_EXPORT_DIR, self.manifest,
                              extra_files={BEST_RECORD_FILE: json.dumps(record) + "\n"})
             self._log_metrics({"step": self.state.step, **{f"eval/{k}": v for k, v in result.items()}})
-            from stage2_train.plots import write_plots
+            from dflash.stage2_train.plots import write_plots
 
             write_plots(self.out)
         self.accelerator.wait_for_everyone()
@@ -488,7 +488,7 @@ class Trainer:
 
 def export_checkpoint(run_dir: Path, checkpoint: Path | None = None, out: Path | None = None) -> Path:
     """Export the weights of a checkpoint (default: the latest complete one) of a run."""
-    from stage2_train.draft_model import DFlashConfig
+    from dflash.stage2_train.draft_model import DFlashConfig
 
     run_dir = run_dir.resolve()
     if checkpoint is None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
-from shared import cache_format as cf
+from dflash.shared import cache_format as cf
 
 ARRAYS = ("features", "input_ids", "loss_mask", "offsets", "sample_index", "sample_id")
 

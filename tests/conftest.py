@@ -42,7 +42,7 @@ def run_dflash(*args: str, timeout: float = 600, env: dict[str, str] | None = No
                check: bool = False) -> subprocess.CompletedProcess[str]:
     """Run the real `dflash` CLI in a subprocess (what a user runs)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    result = subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=REPO, env=full_env, text=True,
+    result = subprocess.run([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, env=full_env, text=True,
                             capture_output=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"dflash {' '.join(args)} exited {result.returncode}:\n{result.stderr[-4000:]}")

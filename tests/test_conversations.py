@@ -1,4 +1,4 @@
-"""Tests for stage1_extract.conversations: loading chat data and the assistant-only loss mask."""
+"""Tests for dflash.stage1_extract.conversations: loading chat data and the assistant-only loss mask."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.embedded import smollm2_gguf
-from stage1_extract.conversations import (
+from dflash.shared.embedded import smollm2_gguf
+from dflash.stage1_extract.conversations import (
     Conversation,
     DataError,
     TokenizedSample,

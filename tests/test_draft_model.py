@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stage2_train import attention_masks
-from stage2_train.attention_masks import (
+from dflash.stage2_train import attention_masks
+from dflash.stage2_train.attention_masks import (
     MAX_GROUPED_KEYS_RATIO,
     MIN_GROUPED_BLOCK_KEYS,
     AnchorLayout,
@@ -21,7 +21,7 @@ from stage2_train.attention_masks import (
     dense_mask,
     grouped_dense_mask,
 )
-from stage2_train.draft_model import (
+from dflash.stage2_train.draft_model import (
     DFlashConfig,
     DFlashDraftModel,
     config_from_target,

@@ -18,10 +18,10 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from shared import cache_format as cf
-from shared.target_loading import load_target_model, resolve_target
-from stage1_extract.capture import FeatureCapture, default_layer_ids
-from stage1_extract.worker import plan_batches
+from dflash.shared import cache_format as cf
+from dflash.shared.target_loading import load_target_model, resolve_target
+from dflash.stage1_extract.capture import FeatureCapture, default_layer_ids
+from dflash.stage1_extract.worker import plan_batches
 from tests.cache_compare import assert_same_cache, read_cache_arrays
 from tests.conftest import EXTRACT_ARGS, REPO, run_dflash
 
@@ -212,7 +212,7 @@ def small_batch_cache(tmp_path_factory: pytest.TempPathFactory, chat_jsonl: Path
 
 def _start_extract(chat_jsonl: Path, out: Path) -> subprocess.Popen[str]:
     args = ["extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *SMALL_BATCH_ARGS]
-    return subprocess.Popen([sys.executable, "-m", "shared.cli", *args], cwd=REPO, text=True,
+    return subprocess.Popen([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -11,8 +11,8 @@ import zarr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import cache_format as cf
-from stage1_extract.shard_writer import FeatureShardWriter
+from dflash.shared import cache_format as cf
+from dflash.stage1_extract.shard_writer import FeatureShardWriter
 from tests.conftest import EXTRACT_ARGS, run_dflash
 
 # e4m3 keeps 3 mantissa bits: a normal number is off by at most 2**-4 of itself after rounding.
@@ -138,7 +138,7 @@ def test_a_bf16_rerun_into_an_fp8_cache_is_refused(fp8_cache: Path, chat_jsonl: 
 
 
 def test_training_dequantizes_fp8_batches_to_the_stored_values(fp8_cache: Path, tmp_path: Path) -> None:
-    from stage2_train.data import CacheBatches, CacheIndex, EvalSet, make_loader, plan_epoch
+    from dflash.stage2_train.data import CacheBatches, CacheIndex, EvalSet, make_loader, plan_epoch
 
     index = CacheIndex.from_cache(fp8_cache, eval_fraction=0.2, seed=0)
     plan = plan_epoch(index, 0, 0, 256, 1, 8)
@@ -165,7 +165,7 @@ def test_training_dequantizes_fp8_batches_to_the_stored_values(fp8_cache: Path, 
 def test_an_fp8_store_without_its_scales_is_named_by_verify_and_by_training(fp8_cache: Path, tmp_path: Path) -> None:
     import shutil
 
-    from stage2_train.data import CacheError, CacheIndex
+    from dflash.stage2_train.data import CacheError, CacheIndex
 
     cache = tmp_path / "cache"
     shutil.copytree(fp8_cache, cache)

@@ -86,7 +86,7 @@ def test_full_disk_fails_cleanly_and_says_what_to_do(full_disk_run: FullDiskRun)
     run = full_disk_run
     stderr = run.failed.stderr
     # 1: a worker failed (its traceback goes to the log); 2: the supervisor itself hit the full disk
-    # (shared.errors.user_facing_errors). Which one depends on which process writes first into the last page.
+    # (dflash.shared.errors.user_facing_errors). Which one depends on which process writes first into the last page.
     assert run.failed.returncode in (1, 2), f"exit {run.failed.returncode}:\n{stderr[-3000:]}"
     assert "No space left on device" in stderr or "disk full" in stderr, stderr[-3000:]
     assert "free space and rerun the same command" in stderr, stderr[-3000:]

@@ -24,8 +24,8 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
-from shared.cli import dflash
-from stage1_extract.conversations import DataError, LoadedConversations, load_conversations, tokenize_conversation
+from dflash.shared.cli import dflash
+from dflash.stage1_extract.conversations import DataError, LoadedConversations, load_conversations, tokenize_conversation
 from tests.cache_compare import assert_same_cache
 from tests.conftest import make_conversations, run_dflash
 
@@ -92,7 +92,7 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tokenizer():
     """The tokenizer and stop tokens an extraction worker uses for the embedded target."""
-    from shared.target_loading import load_tokenizer, resolve_target, stop_token_ids
+    from dflash.shared.target_loading import load_tokenizer, resolve_target, stop_token_ids
 
     target = resolve_target(None)
     tok = load_tokenizer(target.load_path)
@@ -397,7 +397,7 @@ def stub_out(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def invoke_extract(*args: str):
     """`dflash extract ARGS` through click, with the extraction replaced by a stub that records its options."""
-    with mock.patch("stage1_extract.supervisor.run_extract", return_value=0) as stub:
+    with mock.patch("dflash.stage1_extract.supervisor.run_extract", return_value=0) as stub:
         result = CliRunner().invoke(dflash, ["extract", *args])
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert "Traceback" not in result.output
@@ -445,7 +445,7 @@ def test_target_layers_option(stub_out: str, value: str) -> None:
 @example(text="5-2", num_shards=8)
 @example(text="-1", num_shards=3)
 def test_only_shards_ranges_parse_or_are_refused(text: str, num_shards: int) -> None:
-    from stage1_extract.supervisor import ExtractRefused, parse_shard_ranges
+    from dflash.stage1_extract.supervisor import ExtractRefused, parse_shard_ranges
 
     try:
         chosen = parse_shard_ranges(text, num_shards)
@@ -464,15 +464,15 @@ def test_bad_only_shards_is_a_usage_error(stub_out: str, value: str) -> None:
 
 @pytest.mark.parametrize("value", ["5-2", ","])
 def test_only_shards_selecting_nothing_is_refused(value: str) -> None:
-    from stage1_extract.supervisor import ExtractRefused, parse_shard_ranges
+    from dflash.stage1_extract.supervisor import ExtractRefused, parse_shard_ranges
 
     with pytest.raises(ExtractRefused, match="--only-shards"):
         parse_shard_ranges(value, 8)
 
 
 def test_too_many_draft_layers_names_the_option() -> None:
-    from shared.errors import UserError
-    from stage1_extract.capture import default_layer_ids, validate_layer_ids
+    from dflash.shared.errors import UserError
+    from dflash.stage1_extract.capture import default_layer_ids, validate_layer_ids
 
     with pytest.raises(UserError, match="--draft-layers"):
         validate_layer_ids(default_layer_ids(30, 100), 30)

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from shared import cache_format as cf
-from shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids
-from stage1_extract.conversations import Conversation, chat_token_ids
-from stage1_extract.generate_run import read_finished, repair_part_file, sample_keys
-from stage1_extract.regenerate import FINISH_STOP, ConversationRegenerator, GenerateSettings
-from stage1_extract.worker import FAKE_OOM_ENV
+from dflash.shared import cache_format as cf
+from dflash.shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids
+from dflash.stage1_extract.conversations import Conversation, chat_token_ids
+from dflash.stage1_extract.generate_run import read_finished, repair_part_file, sample_keys
+from dflash.stage1_extract.regenerate import FINISH_STOP, ConversationRegenerator, GenerateSettings
+from dflash.stage1_extract.worker import FAKE_OOM_ENV
 from tests.conftest import REPO, make_conversations, run_dflash
 
 GENERATE_ARGS = ("--max-samples", "10", "--max-new-tokens", "12", "--max-length", "160", "--chunk-size", "2",
@@ -179,7 +179,7 @@ def test_killed_generate_resumes_without_duplicates_or_losses(generated: Path, c
                                                               tmp_path: Path) -> None:
     out = tmp_path / "gen"
     args = ("generate", "--data", str(chat_jsonl), "--out", str(out), *GENERATE_ARGS)
-    process = subprocess.Popen([sys.executable, "-m", "shared.cli", *args], cwd=REPO, text=True,
+    process = subprocess.Popen([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, text=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     part = out / "parts" / "worker-0.jsonl.part"
     deadline = time.time() + 300

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-# A stand-in for `python3 -m shared.cli`: records its arguments; `train` writes the metrics a calibration or a run
+# A stand-in for `python3 -m dflash.shared.cli`: records its arguments; `train` writes the metrics a calibration or a run
 # would (a rate of 10 steps/s with --max-anchors=64, else 2) and, for a real run, exports; the run named *a64 has
 # its best held-out evaluation at its end, the others at step 500 (the first in glob order is not the best).
 STUB = r'''

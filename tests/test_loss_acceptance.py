@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stage2_train.acceptance import (
+from dflash.stage2_train.acceptance import (
     acceptance_table,
     draft_predictions,
     offline_acceptance,
     walk_acceptance,
 )
-from stage2_train.attention_masks import AnchorLayout
-from stage2_train.draft_model import DFlashDraftModel, config_from_target
-from stage2_train.loss import (
+from dflash.stage2_train.attention_masks import AnchorLayout
+from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target
+from dflash.stage2_train.loss import (
     IGNORE_INDEX,
     default_gamma,
     dflash_loss,

@@ -68,7 +68,7 @@ def free_port() -> int:
 def accelerate_launch(rank: int, port: int, *flags: str) -> list[str]:
     """`accelerate launch` on machine `rank` of 2, one process each (2 in all), rank 0 at 127.0.0.1:port."""
     return [ACCELERATE, "launch", *flags, "--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip",
-            "127.0.0.1", "--main_process_port", str(port), "--num_processes", "2", "-m", "shared.cli", "train"]
+            "127.0.0.1", "--main_process_port", str(port), "--num_processes", "2", "-m", "dflash.shared.cli", "train"]
 
 
 def test_two_machines_extract_disjoint_shards_into_one_cache(chat_jsonl: Path, baseline_cache: Path,
@@ -76,7 +76,7 @@ def test_two_machines_extract_disjoint_shards_into_one_cache(chat_jsonl: Path, b
     """The conftest baseline's extraction, split over two "machines" running at the same time into one directory."""
     out = tmp_path / "cache"
     ranges = ("0", "1-2")
-    commands = [[sys.executable, "-m", "shared.cli", "extract", "--data", str(chat_jsonl), "--out", str(out),
+    commands = [[sys.executable, "-m", "dflash.shared.cli", "extract", "--data", str(chat_jsonl), "--out", str(out),
                  "--only-shards", shards, "--workers", "1", *EXTRACT_ARGS] for shards in ranges]
     logs = [tmp_path / f"machine-{i}.log" for i in range(len(ranges))]
     codes = run_machines(commands, logs, timeout=600)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import zarr
 
-from shared import cache_format as cf
-from shared import object_store as osx
+from dflash.shared import cache_format as cf
+from dflash.shared import object_store as osx
 from tests.conftest import EXTRACT_ARGS, REPO, assert_same_training, run_dflash
 from tests.test_train_data import build_cache
 
@@ -63,7 +63,7 @@ def two_machine_cache(s3_env: dict[str, str], chat_jsonl: Path, tmp_path_factory
     """Two "machines" (own staging folders) extract disjoint shard ranges into one bucket prefix, at once."""
     url = "s3://caches/two-machines"
     root = tmp_path_factory.mktemp("machines")
-    launches = [subprocess.Popen([sys.executable, "-m", "shared.cli", "extract", "--data", str(chat_jsonl), "--out",
+    launches = [subprocess.Popen([sys.executable, "-m", "dflash.shared.cli", "extract", "--data", str(chat_jsonl), "--out",
                                   url, "--staging", str(root / name), "--only-shards", shards, "--workers", "1",
                                   *EXTRACT_ARGS], cwd=REPO, env={**os.environ, **s3_env}, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)

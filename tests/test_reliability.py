@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import cache_format as cf
+from dflash.shared import cache_format as cf
 from tests.cache_compare import assert_same_cache
 from tests.conftest import EXTRACT_ARGS, REPO, assert_same_training, run_dflash
 
@@ -102,7 +102,7 @@ def _record(kind: str, survived: bool, lost: int) -> None:
 
 
 def _popen(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "shared.cli", *args], cwd=REPO, text=True,
+    return subprocess.Popen([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

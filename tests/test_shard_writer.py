@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from zarr.codecs import Crc32cCodec
 
-from shared import cache_format as cf
-from stage1_extract.shard_writer import FeatureShardWriter
-from stage1_extract.zarr_shard_file import write_shard_file
+from dflash.shared import cache_format as cf
+from dflash.stage1_extract.shard_writer import FeatureShardWriter
+from dflash.stage1_extract.zarr_shard_file import write_shard_file
 
 
 @settings(max_examples=25, deadline=None)

@@ -70,7 +70,7 @@ def test_custom_target_matches_the_known_one(rates) -> None:  # type: ignore[no-
 
 
 def test_bytes_per_token_match_the_cache_format() -> None:
-    from shared import cache_format as cf
+    from dflash.shared import cache_format as cf
 
     for target in sizing.KNOWN_TARGETS.values():
         for captured in (1, 5, 8):
@@ -155,7 +155,7 @@ def test_training_pays_for_padded_anchors(rates) -> None:  # type: ignore[no-unt
 
 
 def test_layer_rule_and_params_match_the_project_and_public_figures() -> None:
-    from stage1_extract.capture import default_layer_ids
+    from dflash.stage1_extract.capture import default_layer_ids
 
     for layers in (12, 28, 30, 32, 36, 64, 80):
         for n in (1, 2, 5, 8):

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.errors import UserError
-from stage2_train import speculative as spec
-from stage2_train.draft_model import DFlashDraftModel, config_from_target
-from stage2_train.export import export_draft
+from dflash.shared.errors import UserError
+from dflash.stage2_train import speculative as spec
+from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target
+from dflash.stage2_train.export import export_draft
 
 LAYER_IDS = [1, 8, 14, 20, 27]
 BLOCK = 16
@@ -34,7 +34,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def env() -> dict:
-    from shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids
+    from dflash.shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids
 
     torch.set_num_threads(1)
     resolved = resolve_target(None)
@@ -297,7 +297,7 @@ def exported(env: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_run_eval_end_to_end(exported: Path, tmp_path: Path) -> None:
-    from stage2_train.evaluate import run_eval
+    from dflash.stage2_train.evaluate import run_eval
 
     report = run_eval(exported, "mtbench", tmp_path / "eval", max_samples=2, max_new_tokens=16)
     for name in ("eval.json", "eval.md", "eval.png"):
@@ -316,7 +316,7 @@ def test_run_eval_end_to_end(exported: Path, tmp_path: Path) -> None:
 
 
 def test_run_eval_jsonl_prompts(tmp_path: Path) -> None:
-    from stage2_train.evaluate import load_prompts
+    from dflash.stage2_train.evaluate import load_prompts
 
     path = tmp_path / "chats.jsonl"
     records = [
@@ -338,7 +338,7 @@ def test_run_eval_jsonl_prompts(tmp_path: Path) -> None:
 
 
 def test_run_eval_user_errors(exported: Path, tmp_path: Path) -> None:
-    from stage2_train.evaluate import run_eval
+    from dflash.stage2_train.evaluate import run_eval
 
     with pytest.raises(UserError, match="unknown dataset"):
         run_eval(exported, "no-such-dataset", tmp_path / "e", 1, 4)
@@ -354,7 +354,7 @@ def _export_variant(env: dict, out: Path, **overrides) -> Path:
 
 
 def test_mismatch_errors(env: dict, tmp_path: Path) -> None:
-    from stage2_train.evaluate import check_compatibility, run_eval
+    from dflash.stage2_train.evaluate import check_compatibility, run_eval
 
     small = _export_variant(env, tmp_path / "small", hidden_size=64, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16, intermediate_size=128)
@@ -373,7 +373,7 @@ def test_mismatch_errors(env: dict, tmp_path: Path) -> None:
 
 
 def test_greedy_difference_that_is_no_tie_raises(env: dict) -> None:
-    from stage2_train.evaluate import LosslessnessError, Prompt, compare_greedy
+    from dflash.stage2_train.evaluate import LosslessnessError, Prompt, compare_greedy
 
     ids = chat_ids(env, PROMPTS[0])
     reference = spec.greedy_generate(env["target"], ids, 6, env["stops"]).tokens

@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared import cache_format as cf
-from shared.errors import UserError
-from stage2_train.acceptance import offline_acceptance
-from stage2_train.data import CacheIndex, eval_sequences, plan_epoch
-from stage2_train.draft_model import DFlashConfig, DFlashDraftModel
-from stage2_train.export import load_draft
-from stage2_train.target_parts import load_target_parts, resolve_mask_token
+from dflash.shared import cache_format as cf
+from dflash.shared.errors import UserError
+from dflash.stage2_train.acceptance import offline_acceptance
+from dflash.stage2_train.data import CacheIndex, eval_sequences, plan_epoch
+from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
+from dflash.stage2_train.export import load_draft
+from dflash.stage2_train.target_parts import load_target_parts, resolve_mask_token
 from tests.conftest import REPO, assert_same_training, make_conversations, run_dflash, step_records
 
 REFERENCE_LAYER_KEYS = [
@@ -153,7 +153,7 @@ def test_killed_training_resumes_to_the_same_loss_curve(train_cache: Path, tmp_p
     straight = tmp_path / "straight"
     assert run_dflash("train", "--cache", str(train_cache), "--out", str(straight), *args).returncode == 0
     killed = tmp_path / "killed"
-    process = subprocess.Popen([sys.executable, "-m", "shared.cli", "train", "--cache", str(train_cache), "--out",
+    process = subprocess.Popen([sys.executable, "-m", "dflash.shared.cli", "train", "--cache", str(train_cache), "--out",
                                 str(killed), *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while not (killed / "checkpoints" / "step-00000003" / "complete").is_file():
@@ -277,7 +277,7 @@ def test_export_command_exports_the_latest_checkpoint_also_an_fsdp_one(train_cac
     from accelerate.utils.constants import FSDP_MODEL_NAME
     from safetensors.torch import save_file
 
-    from stage2_train.trainer import CACHE_MANIFEST_FILE, DRAFT_CONFIG_FILE
+    from dflash.stage2_train.trainer import CACHE_MANIFEST_FILE, DRAFT_CONFIG_FILE
 
     config = DFlashConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
                           num_key_value_heads=3, head_dim=64, vocab_size=49152, block_size=16, num_target_layers=30,

@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import cache_format as cf
-from stage1_extract.shard_writer import FeatureShardWriter
-from stage2_train import data as td
-from stage2_train.data import CacheBatches, CacheError, CacheIndex, Sample, block_labels, plan_epoch, rank_plan
+from dflash.shared import cache_format as cf
+from dflash.stage1_extract.shard_writer import FeatureShardWriter
+from dflash.stage2_train import data as td
+from dflash.stage2_train.data import CacheBatches, CacheError, CacheIndex, Sample, block_labels, plan_epoch, rank_plan
 
 DIM = 48
 PAD = 16
