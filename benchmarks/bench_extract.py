@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.stage1_extract.capture import default_layer_ids  # noqa: E402
+from dflash.shared.target_layers import default_layer_ids  # noqa: E402
 from dflash.stage1_extract.conversations import TokenizedSample, load_conversations, tokenize_conversation  # noqa: E402
 from dflash.stage1_extract.worker import ShardExtractor, WorkerConfig, plan_batches  # noqa: E402
 
@@ -124,7 +124,7 @@ def capture_pass(extractor: ShardExtractor, batches: list[list[TokenizedSample]]
             ids[row, : len(sample.input_ids)] = torch.from_numpy(sample.input_ids.astype(np.int64))
             mask[row, : len(sample.input_ids)] = 1
         mask = mask.to(device)
-        features = extractor.capture(ids.to(device), mask)
+        features = extractor.capture.decoder_features(ids.to(device), mask)
         del features
     sync(device)
     return time.perf_counter() - started

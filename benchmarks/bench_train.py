@@ -2,7 +2,7 @@
 
 A cache of random features (real cache format, written by the stage-1 writer) for a Qwen3-8B-shaped target:
 5 captured layers x 4096, sequences of --length tokens whose first 64 are prompt; a 5-layer drafter of the target's
-shape (1.05B trainable), block 16, up to 512 anchors per sequence. The same `Trainer` object runs both variants:
+shape (1.05B trainable), block 16, up to 512 anchors per sequence. The same training run (`run_setup.setup_run`) runs both variants:
 "loader" = micro-batches from `CacheBatches` through DataLoader workers (zarr reads in the workers), "memory" = the
 first micro-batch kept on the GPU and reused. Speed does not depend on weight or feature values.
 
@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.shared import cache_format as cf  # noqa: E402
+from dflash.shared.feature_codecs import BF16  # noqa: E402
 from dflash.stage1_extract.shard_writer import FeatureShardWriter  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -69,7 +70,7 @@ def build_cache(root: Path, target: dict, samples: int, length: int, layer_ids: 
             "sample_ids": [str(i) for i in range(per_shard)],
         }
         writer = FeatureShardWriter(cf.shard_path(root, shard), feature_dim=feature_dim, token_arrays=token_arrays,
-                                    attributes={})
+                                    attributes={}, codec=BF16)
         for _ in range(per_shard):
             writer.submit(rows)
         writer.close({})
@@ -81,13 +82,13 @@ def build_cache(root: Path, target: dict, samples: int, length: int, layer_ids: 
 def step_flops(config, inputs: dict) -> float:  # type: ignore[no-untyped-def]
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     hq, hkv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    layout = inputs["layout"]
+    layout = inputs.layout
     valid = layout.anchor_valid
     q_tokens = float(valid.sum()) * layout.block_size
     context = float(layout.context_lengths.sum())
     visible = float(((layout.anchors + layout.block_size) * valid).sum()) * layout.block_size
-    feature_dim = inputs["features"].shape[-1]
-    supervised = float((inputs["labels"] != -100).sum())
+    feature_dim = inputs.features.shape[-1]
+    supervised = float((inputs.labels != -100).sum())
     vocab = config.vocab_size
     per_layer = 2 * 2 * h * hq * q_tokens + 2 * 2 * h * hkv * (context + q_tokens) + 3 * 2 * h * inter * q_tokens
     per_layer += 2 * 2 * hq * visible
@@ -170,7 +171,8 @@ def main() -> None:
     if args.samples < args.batch * (args.steps + 1):  # the loader variant reads one first batch, then --steps
         parser.error(f"--samples must be at least --batch x (--steps + 1) = {args.batch * (args.steps + 1)}")
     from dflash.stage2_train.loss import weight_sum
-    from dflash.stage2_train.trainer import TrainOptions, Trainer
+    from dflash.stage2_train.run_setup import TrainOptions, setup_run
+    from dflash.stage2_train.trainer import forward_loss, micro_batch_inputs
 
     target = TINY if args.tiny else QWEN3_8B
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="dflash-train-bench-"))
@@ -182,25 +184,25 @@ def main() -> None:
         "vocab_size"], batch_tokens=args.batch * args.length, eval_fraction=0.0, eval_every=0, checkpoint_every=0,
         num_workers=args.workers, attention=args.attention, compile=args.compile,
         mixed_precision="bf16" if torch.cuda.is_available() else "no")
-    trainer = Trainer(options)
-    device = trainer.device
-    params = sum(p.numel() for p in trainer.model.parameters())
+    run = setup_run(options)
+    device = run.device
+    params = sum(p.numel() for p in run.model.parameters())
 
-    def run_step(micro: dict) -> float:  # noqa: ANN001
-        total = trainer.accelerator.reduce(weight_sum(micro["labels"], trainer.weights).detach().clone(), "sum")
-        loss, _ = trainer._forward_loss(micro, total)
-        trainer.accelerator.backward(loss)
-        trainer.accelerator.clip_grad_norm_(trainer.model.parameters(), 1.0)
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
+    def run_step(micro) -> float:  # noqa: ANN001
+        total = run.accelerator.reduce(weight_sum(micro.labels, run.position_weights).detach().clone(), "sum")
+        loss, _ = forward_loss(run, micro, total)
+        run.accelerator.backward(loss)
+        run.accelerator.clip_grad_norm_(run.model.parameters(), 1.0)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    loader = iter(trainer._loader(0, 0))
-    first = trainer._micro_batch_inputs(next(loader))
+    loader = iter(run.loader(0, 0))
+    first = micro_batch_inputs(run, next(loader))
     for _ in range(3):  # warm-up: compilation of the flex kernels, allocator growth
         run_step(first)
     sync()
@@ -210,12 +212,12 @@ def main() -> None:
         sync()
         begin = time.perf_counter()
         for _ in range(args.steps):
-            micro = first if name == "memory" else trainer._micro_batch_inputs(next(loader))
-            flops += step_flops(trainer.config, micro)
+            micro = first if name == "memory" else micro_batch_inputs(run, next(loader))
+            flops += step_flops(run.config, micro)
             run_step(micro)
         sync()
         seconds = time.perf_counter() - begin
-        block_tokens = args.steps * float(first["layout"].anchor_valid.sum()) * 16
+        block_tokens = args.steps * float(first.layout.anchor_valid.sum()) * 16
         results[name] = {"step_s": seconds / args.steps, "tflops": flops / seconds / 1e12,
                          "mfu_vs_peak": flops / seconds / H200_PEAK, "mfu_vs_measured": flops / seconds / H200_MEASURED,
                          "block_tokens_per_s": block_tokens / seconds,

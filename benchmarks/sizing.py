@@ -40,13 +40,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.shared.feature_codecs import codec
+from dflash.shared.target_layers import default_layer_ids
+
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
 MAX_ANCHORS = 512
 CAPTURED_LAYERS = 5
 TOKEN_ARRAY_BYTES = 4 + 1  # input_ids int32 + loss_mask uint8, per token
 SAMPLE_ARRAY_BYTES = 8 + 8  # offsets + sample_index int64, per sample (sample_id strings not counted)
-RECIPE_SAMPLES = 800_000  # ../shared/reference/dflash.md: "Typical recipe (Qwen3-8B): 800K samples, max length 3072"
+RECIPE_SAMPLES = 800_000  # the reference DFlash recipe for Qwen3-8B: 800K samples, max length 3072
 RECIPE_LENGTH = 3072
 
 
@@ -125,14 +128,6 @@ class Rates:
     profile_loss_fraction: float
 
 
-def default_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
-    """The reference rule (same as dflash.stage1_extract.capture.default_layer_ids; a test checks they agree)."""
-    if num_draft_layers == 1:
-        return [num_layers // 2]
-    start, end = 1, num_layers - 3
-    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
 def load_rates(results: Path, attention: str = "flex", fed_from: str = "loader") -> Rates:
     extract = json.loads((results / "extract_qwen3-8b-random_cuda.json").read_text())
     runs = extract["runs"]
@@ -160,11 +155,8 @@ def load_rates(results: Path, attention: str = "flex", fed_from: str = "loader")
 # ------------------------------------------------------------------------------------------------ formulas
 
 def feature_bytes_per_token(target: Target, dtype: str, captured: int = CAPTURED_LAYERS) -> int:
-    if dtype == "bf16":
-        return 2 * captured * target.hidden
-    if dtype == "fp8":
-        return captured * target.hidden + 4 * captured
-    raise ValueError(f"unknown feature dtype {dtype!r}")
+    """The cache's bytes per token for the features (the codec's own figure: bf16 2*L*H, fp8 L*H + 4*L)."""
+    return codec(dtype).stored_row_bytes(captured * target.hidden, captured)
 
 
 def cache_bytes(target: Target, data: Data, dtype: str, captured: int = CAPTURED_LAYERS) -> float:

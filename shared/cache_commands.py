@@ -13,6 +13,7 @@ import click
 import numpy as np
 
 from dflash.shared import cache_format as cf
+from dflash.shared.feature_codecs import FeatureCodec, manifest_codec
 
 HEARTBEAT_STALE_S = 30.0
 
@@ -82,15 +83,18 @@ def _disk_bytes(folder: Path) -> int:
 # --------------------------------------------------------------------------------------------- verification
 
 
-def verify_shard(cache_dir: Path, shard: int, entry: dict[str, Any], vocab_size: int, feature_dim: int) -> list[str]:
+def verify_shard(cache_dir: Path, shard: int, entry: dict[str, Any], vocab_size: int, feature_dim: int,
+                 codec: FeatureCodec) -> list[str]:
     """Re-read one shard completely; return the problems found (empty when it is sound)."""
     import torch
 
-    path = cf.shard_source(cache_dir, shard)
+    from dflash.shared.object_store import shard_source
+
+    path = shard_source(cache_dir, shard)
     if isinstance(path, Path) and not path.exists():
         return ["store is missing"]
     try:
-        reader = cf.ShardReader(path)
+        reader = cf.ShardReader(path, codec)
         offsets = reader.offsets
         problems = []
         if len(offsets) != entry["samples"] + 1 or int(offsets[-1]) != entry["tokens"]:
@@ -111,13 +115,11 @@ def verify_shard(cache_dir: Path, shard: int, entry: dict[str, Any], vocab_size:
             problems.append(f"token ids outside [0, {vocab_size})")
         if len(loss_mask) and loss_mask.max() > 1:
             problems.append("loss_mask holds values other than 0/1")
-        scales = reader.feature_scales
         if (scales_problem := reader.scales_problem()) is not None:
             return [*problems, scales_problem]
         step = max(1, cf.StoreLayout.for_feature_dim(feature_dim, features.dtype.itemsize).shard_rows)
         for start in range(0, int(features.shape[0]), step):
-            block = cf.decode_features(np.asarray(features[start : start + step]),
-                                       None if scales is None else np.asarray(scales[start : start + step]))
+            block = reader.rows_tensor(start, min(start + step, int(features.shape[0])))
             if not bool(torch.isfinite(block).all()):
                 problems.append(f"NaN/Inf features in rows {start}..{start + len(block) - 1}")
                 break
@@ -135,7 +137,7 @@ def verify_cache(cache_dir: Path) -> dict[int, list[str]]:
     for key, entry in sorted(manifest["shards"].items(), key=lambda item: int(item[0])):
         if entry.get("status") != cf.SHARD_DONE:
             continue
-        found = verify_shard(cache_dir, int(key), entry, vocab_size, feature_dim)
+        found = verify_shard(cache_dir, int(key), entry, vocab_size, feature_dim, manifest_codec(manifest))
         if found:
             problems[int(key)] = found
     return problems

@@ -13,10 +13,10 @@ use dflash). Layout of a cache directory:
     locks/                 one lock file per shard, held by the run that is extracting it
 
 A shard store holds samples back to back (no padding):
-    features     [tokens, n_layers * hidden] (zarr has no bf16 or fp8 type; the attribute logical_dtype names it):
-                 feature_dtype "bf16": uint16 holding bfloat16 bits (view as bf16: bit-exact, zero copy);
-                 feature_dtype "fp8": uint8 holding float8_e4m3fn bits, and beside it
-    feature_scales [tokens, n_layers] float32 (fp8 only): value = fp8 * scale, one scale per token and layer.
+    features     [tokens, n_layers * hidden], stored as its codec says (shared/feature_codecs.py; zarr has no
+                 bf16 or fp8 type, so the attribute logical_dtype names it): "bf16" uint16 holding bfloat16 bits;
+                 "fp8" uint8 holding float8_e4m3fn bits, and beside it
+    feature_scales [tokens, n_layers] float32 (scaled codecs only): value = fp8 * scale, per token and layer.
                  Layer blocks are in the order of manifest["layer_ids"], each `hidden` wide.
     input_ids    [tokens] int32
     loss_mask    [tokens] uint8 (1 = an assistant token the drafter learns to predict)
@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from dflash.shared.errors import UserError
+from dflash.shared.feature_codecs import SCALES_ARRAY, FeatureCodec, logical_codec
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -53,13 +54,6 @@ LOCKS_DIR = "locks"
 LOG_FILE = "extract.log"
 EMBEDDINGS_FILE = "embeddings.safetensors"
 
-FEATURE_DTYPES = ("bf16", "fp8")
-# fp8 e4m3 (`float8_e4m3fn`): each token's block of each layer is scaled so that its largest magnitude lands on
-# the format's largest finite value; per token because massive-activation channels vary by token, per layer
-# because layers differ in scale by orders of magnitude (../shared/reference/storage.md: ~2.6 % relative L2).
-FP8_MAX = 448.0
-LOGICAL_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
-STORED_DTYPES = {"bf16": np.dtype("uint16"), "fp8": np.dtype("uint8")}
 CHUNK_TARGET_BYTES = 2 << 20
 SHARD_TARGET_BYTES = 64 << 20
 
@@ -90,15 +84,6 @@ def shard_name(index: int) -> str:
 
 def shard_path(cache_dir: Path, index: int) -> Path:
     return cache_dir / SHARDS_DIR / shard_name(index)
-
-
-def shard_source(cache_dir: Path, index: int) -> Any:
-    """Where to read shard `index` from: its folder, or (for the local mirror of a cache in object storage,
-    shared/object_store.py) a zarr store in the bucket."""
-    from dflash.shared.object_store import remote_source
-
-    remote = remote_source(cache_dir, index)
-    return shard_path(cache_dir, index) if remote is None else remote
 
 
 # ----------------------------------------------------------------------------------------------- manifest
@@ -198,16 +183,16 @@ def create_shard_store(
     sample_index: np.ndarray,
     sample_ids: list[str],
     attributes: dict[str, Any],
-    feature_dtype: str = "bf16",
+    codec: FeatureCodec,
     num_layers: int = 1,
 ) -> Any:
-    """Create a shard store whose token-level arrays are written now and whose features (and, for fp8, their
-    scales: the array `feature_scales`, filled with `write_feature_scales`) are filled later."""
+    """Create a shard store whose token-level arrays are written now and whose features (and, for a scaled codec,
+    their scales: the array `feature_scales`, filled with `write_feature_scales`) are filled later."""
     import zarr
     from zarr.codecs import Crc32cCodec
 
     num_tokens = int(offsets[-1]) if len(offsets) else 0
-    stored = STORED_DTYPES[feature_dtype]
+    stored = codec.stored_dtype
     layout = StoreLayout.for_feature_dim(feature_dim, stored.itemsize)
     group = zarr.open_group(str(path), mode="w", zarr_format=3)
     group.attrs.update({**attributes, "format_version": FORMAT_VERSION, "complete": False})
@@ -219,11 +204,12 @@ def create_shard_store(
         shards=(layout.shard_rows, feature_dim),
         compressors=[Crc32cCodec()],
         fill_value=0,
-        attributes={"logical_dtype": LOGICAL_DTYPES[feature_dtype]},
+        attributes={"logical_dtype": codec.logical_dtype},
     )
-    if feature_dtype == "fp8":
-        group.create_array("feature_scales", shape=(num_tokens, num_layers), dtype="float32",
-                           chunks=(max(1, min(num_tokens, 1 << 18)), num_layers), compressors=[Crc32cCodec()],
+    if codec.scaled:
+        columns = codec.scale_columns(num_layers)
+        group.create_array(SCALES_ARRAY, shape=(num_tokens, columns), dtype="float32",
+                           chunks=(max(1, min(num_tokens, 1 << 18)), columns), compressors=[Crc32cCodec()],
                            fill_value=0.0)
 
     def small(name: str, values: np.ndarray) -> None:
@@ -269,10 +255,10 @@ def feature_file_problems(store: Path, features: Any) -> list[str]:
 
 
 def write_feature_scales(path: Path, scales: np.ndarray) -> None:
-    """Fill the `feature_scales` array of an fp8 store (small: 4 bytes per token and layer)."""
+    """Fill the `feature_scales` array of a scaled codec's store (small: 4 bytes per token and layer)."""
     import zarr
 
-    array = zarr.open_group(str(path), mode="r+", zarr_format=3)["feature_scales"]
+    array = zarr.open_group(str(path), mode="r+", zarr_format=3)[SCALES_ARRAY]
     if len(scales):
         array[:] = scales
 
@@ -302,9 +288,10 @@ def fsync_tree(path: Path) -> None:
 
 class ShardReader:
     """Read-only access to one published shard store (open it inside each DataLoader worker): a folder, or a
-    zarr store (`shard_source`)."""
+    zarr store (`object_store.shard_source`). `codec`: the cache's (from its manifest); the store's own record
+    of its feature dtype must agree with it. Without one, the store's record is used."""
 
-    def __init__(self, path: Path | Any) -> None:
+    def __init__(self, path: Path | Any, codec: FeatureCodec | None = None) -> None:
         import zarr
 
         self.path = path
@@ -316,7 +303,15 @@ class ShardReader:
             raise CacheError(f"shard store {path} is incomplete")
         self.offsets = np.asarray(self.group["offsets"][:], dtype=np.int64)
         self.features = self.group["features"]
-        self.feature_scales = self.group["feature_scales"] if "feature_scales" in self.group else None
+        recorded = self.features.attrs.get("logical_dtype", "bfloat16")
+        try:
+            self.codec = logical_codec(recorded)
+        except ValueError as error:
+            raise CacheError(f"shard store {path}: {error}") from error
+        if codec is not None and codec.name != self.codec.name:
+            raise CacheError(f"shard store {path} holds {self.codec.name} features, its cache's manifest says "
+                             f"{codec.name}: the cache mixes two extractions (re-extract it)")
+        self.feature_scales = self.group[SCALES_ARRAY] if SCALES_ARRAY in self.group else None
 
     @property
     def num_samples(self) -> int:
@@ -334,111 +329,32 @@ class ShardReader:
         )
 
     def scales_problem(self) -> str | None:
-        """What is wrong with an fp8 store's `feature_scales` (absent, or not one row per token and a layer count
-        that divides the feature width); None when sound or when the store holds bf16."""
-        if self.features.dtype != np.uint8:
+        """What is wrong with a scaled store's `feature_scales` (absent, or not one row per token and a layer count
+        that divides the feature width); None when sound or when the codec has no scales."""
+        if not self.codec.scaled:
             return None
         tokens, width = (int(x) for x in self.features.shape)
         scales = self.feature_scales
         if scales is None or int(scales.shape[0]) != tokens or not int(scales.shape[1]) or width % int(scales.shape[1]):
-            return f"its fp8 features need feature_scales of shape ({tokens}, layers)"
+            return f"its {self.codec.name} features need {SCALES_ARRAY} of shape ({tokens}, layers)"
         return None
 
     def sample_features(self, i: int) -> np.ndarray:
-        """The stored rows [length, D]: uint16 bf16 bits (`bf16_view` turns them into a bfloat16 tensor without
-        copying) or uint8 fp8 bits (`sample_feature_tensor` decodes either)."""
+        """The stored rows [length, D] of the codec's stored dtype (`sample_feature_tensor` decodes them)."""
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         return np.asarray(self.features[start:end])
 
     def sample_feature_tensor(self, i: int) -> Any:
-        """Sample i's features as a bfloat16 tensor [length, D] (fp8 rows are dequantized)."""
+        """Sample i's features as a bfloat16 tensor [length, D] (decoded by the store's codec)."""
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.rows_tensor(start, end)
+
+    def rows_tensor(self, start: int, end: int) -> Any:
+        """Feature rows start:end as a bfloat16 tensor (decoded by the store's codec)."""
         scales = None if self.feature_scales is None else np.asarray(self.feature_scales[start:end])
-        return decode_features(np.asarray(self.features[start:end]), scales)
-
-
-def bf16_view(features_uint16: np.ndarray) -> Any:
-    """A torch.bfloat16 tensor sharing memory with the uint16 array that stores its bits."""
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(features_uint16)).view(torch.bfloat16)
-
-
-def bf16_bits(tensor: Any) -> np.ndarray:
-    """The uint16 bit pattern of a (CPU) bfloat16 tensor, for storage."""
-    import torch
-
-    return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
-
-
-def quantize_fp8(features: Any, num_layers: int) -> tuple[Any, Any]:
-    """features [n, L * H] (any float dtype, any device) -> (uint8 fp8 bits [n, L * H], float32 scales [n, L]).
-
-    Runs where the features are (on the GPU in extraction: half the bytes cross PCIe). A block that is all zeros
-    gets scale 1 (its bits are zeros)."""
-    import torch
-
-    rows = features.float().view(features.shape[0], num_layers, -1)
-    amax = rows.abs().amax(dim=-1)
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    bits = (rows / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    return bits.view(features.shape[0], -1), scales
-
-
-def dequantize_fp8(bits: Any, scales: Any, dtype: Any) -> Any:
-    """uint8 fp8 bits [..., L * H] and float32 scales [..., L] (torch, one device) -> features [..., L * H] of
-    `dtype`. Stage 2 calls it on the GPU, after the (half-size) copy."""
-    import torch
-
-    num_layers = scales.shape[-1]
-    values = bits.view(torch.float8_e4m3fn).float().unflatten(-1, (num_layers, -1)) * scales.unsqueeze(-1)
-    return values.flatten(-2).to(dtype)
-
-
-def encode_feature_rows(features: Any, feature_dtype: str, num_layers: int) -> Any:
-    """Feature rows [n, L * H] as extraction hands them to the shard writer (on the features' device):
-    bf16 -> bfloat16 [n, L * H]; fp8 -> uint8 [n, L * H + 4 * L], the fp8 bits followed by the bytes of the
-    float32 scales, so that one copy moves both to the host (`split_fp8_rows` takes them apart)."""
-    import torch
-
-    if feature_dtype == "bf16":
-        return features.to(torch.bfloat16)
-    bits, scales = quantize_fp8(features, num_layers)
-    return torch.cat([bits, scales.contiguous().view(torch.uint8)], dim=1)
-
-
-def encoded_row_format(feature_dim: int, feature_dtype: str, num_layers: int) -> tuple[int, Any]:
-    """(elements, torch dtype) of a row of `encode_feature_rows`' output: bf16 -> (D, bfloat16); fp8 ->
-    (D + 4 L, uint8)."""
-    import torch
-
-    if feature_dtype == "bf16":
-        return feature_dim, torch.bfloat16
-    return feature_dim + 4 * num_layers, torch.uint8
-
-
-def stored_row_bytes(feature_dim: int, feature_dtype: str, num_layers: int) -> int:
-    """Bytes a token's features take in the cache: exactly its encoded row (bf16: 2 per value; fp8: 1 per value
-    and a float32 scale per layer)."""
-    width, dtype = encoded_row_format(feature_dim, feature_dtype, num_layers)
-    return width * dtype.itemsize
-
-
-def split_fp8_rows(rows: np.ndarray, feature_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 rows from `encode_feature_rows(..., "fp8", L)` -> (fp8 bits [n, D] view, float32 scales [n, L])."""
-    return rows[:, :feature_dim], np.ascontiguousarray(rows[:, feature_dim:]).view(np.float32)
-
-
-def decode_features(stored: np.ndarray, scales: np.ndarray | None) -> Any:
-    """Stored feature rows (numpy, as read from a store) -> a bfloat16 tensor: bf16 bits are viewed, fp8 bits
-    dequantized with their scales."""
-    import torch
-
-    if stored.dtype == np.uint16:
-        return bf16_view(stored)
-    if scales is None:
-        raise CacheError("fp8 features without their feature_scales array")
-    return dequantize_fp8(torch.from_numpy(np.ascontiguousarray(stored)), torch.from_numpy(scales), torch.bfloat16)
+        if self.codec.scaled and scales is None:
+            raise CacheError(f"shard store {self.path}: {self.codec.name} features without their {SCALES_ARRAY}")
+        return self.codec.decode_numpy(np.asarray(self.features[start:end]), scales)
 
 
 # ------------------------------------------------------------------------------------------------- status

@@ -233,6 +233,13 @@ def is_mirror(cache_dir: Path) -> bool:
     return (Path(cache_dir) / REMOTE_FILE).is_file()
 
 
+def shard_source(cache_dir: Path, shard: int) -> Any:
+    """Where to read shard `shard` of a cache from: its folder, or for the local mirror of a cache in a bucket
+    (`mirror`) a zarr store in the bucket."""
+    remote = remote_source(cache_dir, shard)
+    return cf.shard_path(cache_dir, shard) if remote is None else remote
+
+
 def remote_source(cache_dir: Path, shard: int) -> Any | None:
     """The zarr store of shard `shard` when `cache_dir` is the mirror of a remote cache, else None."""
     if not is_mirror(cache_dir):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from dflash.shared.feature_codecs import FEATURE_DTYPES
 from dflash.stage1_extract.conversations import OVERLENGTH_MODES
 
 
@@ -62,10 +63,10 @@ def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None)
               help="Worker processes. Default: one per GPU; 1 on a CPU-only machine (cores are split between them).")
 @click.option("--batch-tokens", type=click.IntRange(min=16), default=None,
               help="Padded tokens per forward batch. Default 32768 on GPU, 4096 on CPU; halved automatically on OOM.")
-@click.option("--feature-dtype", type=click.Choice(["fp8", "bf16"]), default="fp8", show_default=True,
+@click.option("--feature-dtype", type=click.Choice(FEATURE_DTYPES), default=FEATURE_DTYPES[0], show_default=True,
               help="How features are stored: fp8 e4m3 with one float32 scale per token and layer (half the bytes of "
                    "bf16; quantized on the GPU, dequantized by stage 2 on the GPU), or bf16 (exact). Drafters trained "
-                   "on either reached the same acceptance (README 'fp8 features').")
+                   "on either reached the same acceptance (docs/benchmarks.md, 'fp8 features').")
 @click.option("--overwrite", is_flag=True,
               help="Redo the selected shards even if complete; discard the cache if its settings differ.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug messages on the console.")

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash.shared.chat_records import KNOWN_COLUMNS, is_unicode, normalise_turns, turns_column
 from dflash.shared.errors import UserError
 
 __all__ = [
@@ -38,23 +39,10 @@ __all__ = [
     "tokenize_conversation",
 ]
 
-# Columns tried, in order, when `column` is not given.
-KNOWN_COLUMNS = ("messages", "conversations", "conversation")
 JSON_SUFFIXES = (".json", ".json.gz")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 PARQUET_SUFFIXES = (".parquet",)
 DATA_SUFFIXES = JSON_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
-ROLE_MAP = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
-}
 OVERLENGTH_MODES = ("truncate", "skip")
 MAX_SKIP_EXAMPLES = 5
 FINGERPRINT_VERSION = b"dflash-conversations-v1"
@@ -385,42 +373,6 @@ def _iter_parquet(path: Path, display: str) -> Iterator[tuple[str, Any]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _normalise_turns(turns: Any) -> tuple[dict[str, str], ...] | str:
-    """Normalised messages, or the skip reason."""
-    if not isinstance(turns, list):
-        return "malformed"
-    if not turns:
-        return "empty"
-    messages = []
-    for turn in turns:
-        if not isinstance(turn, dict):
-            return "malformed"
-        role = turn.get("role") if turn.get("role") is not None else turn.get("from")
-        content = turn.get("content") if turn.get("content") is not None else turn.get("value")
-        if not isinstance(role, str) or not isinstance(content, str):
-            return "malformed"
-        if not _is_unicode(content):
-            return "invalid_unicode"
-        mapped = ROLE_MAP.get(role.strip().lower())
-        if mapped is None:
-            return "bad_role"
-        messages.append({"role": mapped, "content": content})
-    if not any(message["role"] == "assistant" for message in messages):
-        return "no_assistant_turn"
-    return tuple(messages)
-
-
-def _is_unicode(text: str) -> bool:
-    """False for text holding lone surrogates (JSON allows "\\ud800"): tokenizers and zarr cannot encode it."""
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _printable(text: str) -> str:
     """`text` with lone surrogates (e.g. from a file name that is not UTF-8) written as \\udcff escapes."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -431,12 +383,6 @@ def _record_id(record: Mapping[str, Any]) -> str | None:
     if value is None or isinstance(value, (dict, list)):
         return None
     return str(value)
-
-
-def _column_for(record: Mapping[str, Any], column: str | None) -> str | None:
-    if column is not None:
-        return column if column in record else None
-    return next((name for name in KNOWN_COLUMNS if name in record), None)
 
 
 def _fingerprint(conversations: Iterable[Conversation]) -> str:
@@ -485,17 +431,17 @@ def load_conversations(
             continue
         record_id = _record_id(record)
         name = _printable(record_id or location)
-        key = _column_for(record, column)
+        key = turns_column(record, column)
         if key is None:
             if len(columns_seen) < 100:
                 columns_seen.update(str(k) for k in record)
             skip("missing_column", name)
             continue
         matched += 1
-        if record_id is not None and not _is_unicode(record_id):
+        if record_id is not None and not is_unicode(record_id):
             skip("invalid_unicode", name)
             continue
-        messages = _normalise_turns(record[key])
+        messages = normalise_turns(record[key])
         if isinstance(messages, str):
             skip(messages, name)
             continue

@@ -5,8 +5,9 @@ one and copies its rows into a staging buffer. Threads are safe here: nothing is
 touch numpy and files. Rows are buffered until a whole zarr shard file is full (a partial write would rewrite
 the whole file); full buffers are encoded and written by a small pool of file-writer threads
 (`zarr_shard_file`, byte-identical to zarr's own output, at disk speed). The store is written under a
-temporary name and renamed into place when complete. fp8 rows arrive with their scales packed behind them
-(`encode_feature_rows`); the scales are kept in memory (4 bytes per token and layer) and written at the end.
+temporary name and renamed into place when complete. Rows of a scaled codec (fp8) arrive with their scales packed
+behind them (`FeatureCodec.encode`); the scales are kept in memory (4 bytes per token and layer) and written at the
+end.
 """
 
 from __future__ import annotations
@@ -23,34 +24,33 @@ import numpy as np
 import torch
 
 from dflash.shared.cache_format import (
-    STORED_DTYPES,
     StoreLayout,
-    bf16_bits,
     create_shard_store,
     fsync_tree,
     mark_store_complete,
-    split_fp8_rows,
     write_feature_scales,
 )
+from dflash.shared.feature_codecs import FeatureCodec
 from dflash.stage1_extract.zarr_shard_file import write_shard_file
 
 
 class FeatureShardWriter:
     def __init__(self, final_path: Path, *, feature_dim: int, token_arrays: dict[str, Any], attributes: dict[str, Any],
-                 feature_dtype: str = "bf16", num_layers: int = 1, max_pending: int = 4,
+                 codec: FeatureCodec, num_layers: int = 1, max_pending: int = 4,
                  file_threads: int = 6) -> None:
         self.final_path = final_path
         self.tmp_path = final_path.with_name(f".{final_path.name}.tmp-{os.getpid()}")
         shutil.rmtree(self.tmp_path, ignore_errors=True)
         self.tmp_path.parent.mkdir(parents=True, exist_ok=True)
         self.features = create_shard_store(self.tmp_path, feature_dim=feature_dim, attributes=attributes,
-                                           feature_dtype=feature_dtype, num_layers=num_layers, **token_arrays)
+                                           codec=codec, num_layers=num_layers, **token_arrays)
         self.num_rows = int(self.features.shape[0])
         self.feature_dim = feature_dim
-        self.feature_dtype = feature_dtype
-        stored = STORED_DTYPES[feature_dtype]
+        self.codec = codec
+        stored = codec.stored_dtype
         self.layout = StoreLayout.for_feature_dim(feature_dim, stored.itemsize)
-        self._scales = np.zeros((self.num_rows, num_layers), np.float32) if feature_dtype == "fp8" else None
+        columns = codec.scale_columns(num_layers)
+        self._scales = np.zeros((self.num_rows, columns), np.float32) if columns else None
         buffer_shape = (min(self.layout.shard_rows, max(self.num_rows, 1)), feature_dim)
         # Staging buffers, recycled: one being filled, the others being written by the file threads.
         self._free: queue.Queue[np.ndarray] = queue.Queue()
@@ -68,7 +68,7 @@ class FeatureShardWriter:
         self._thread.start()
 
     def submit(self, rows: torch.Tensor, ready: Any = None, release: Any = None) -> None:
-        """Queue rows (CPU, from `encode_feature_rows`: bf16 [n, D], or fp8 bits and scales packed in uint8
+        """Queue rows (CPU, from the codec's `encode`: bf16 [n, D], or fp8 bits and scales packed in uint8
         [n, D + 4 L]). `ready`: a CUDA event to wait for when the copy is asynchronous;
         `release`: called once the rows have been copied out, so their (pinned) memory can be reused."""
         self._raise_if_failed()
@@ -81,13 +81,11 @@ class FeatureShardWriter:
                 if ready is not None:
                     ready.synchronize()
                 try:
-                    if self.feature_dtype == "fp8":
-                        bits, scales = split_fp8_rows(rows.numpy(), self.feature_dim)
-                        start = self._received
-                        self._append(bits)  # refuses rows past the end before the scales are stored
+                    bits, scales = self.codec.split_rows(rows, self.feature_dim)
+                    start = self._received
+                    self._append(bits)  # refuses rows past the end before the scales are stored
+                    if scales is not None:
                         self._scales[start : start + len(scales)] = scales
-                    else:
-                        self._append(bf16_bits(rows))
                 finally:
                     if release is not None:
                         release()

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shared import cache_format as cf
+from dflash.shared.feature_codecs import FEATURE_DTYPES
 from dflash.shared.logs import get_logger, setup_logging
+from dflash.shared.target_layers import default_layer_ids, validate_layer_ids
 from dflash.shared.target_loading import (
     ResolvedTarget,
     load_tokenizer,
@@ -30,7 +32,6 @@ from dflash.shared.target_loading import (
     stop_token_ids,
     target_content_hash,
 )
-from dflash.stage1_extract.capture import default_layer_ids, validate_layer_ids
 from dflash.stage1_extract.conversations import LoadedConversations, load_conversations, template_fingerprint
 from dflash.stage1_extract.target_export import export_target_files
 from dflash.stage1_extract.worker import ShardTask, WorkerConfig, worker_main
@@ -60,7 +61,7 @@ class ExtractOptions:
     only_shards: str | None = None
     workers: int | None = None
     batch_tokens: int | None = None
-    feature_dtype: str = "fp8"  # the CLI default (README "fp8 features")
+    feature_dtype: str = FEATURE_DTYPES[0]  # the CLI default (docs/benchmarks.md "fp8 features")
     overwrite: bool = False
     verbose: bool = False
 

@@ -21,16 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.shared.cache_format import (
-    encode_feature_rows,
-    encoded_row_format,
-    shard_path,
-    stored_row_bytes,
-    write_status,
-)
+from dflash.shared.cache_format import shard_path, write_status
+from dflash.shared.feature_codecs import codec
 from dflash.shared.logs import get_logger, setup_logging
+from dflash.shared.target_layers import LayerCapture
 from dflash.shared.target_loading import load_target_model, load_tokenizer
-from dflash.stage1_extract.capture import FeatureCapture
 from dflash.stage1_extract.conversations import Conversation, TokenizedSample, tokenize_conversation
 from dflash.stage1_extract.shard_writer import FeatureShardWriter
 
@@ -51,7 +46,7 @@ class WorkerConfig:
     stop_token_ids: list[int]
     log_file: Path
     threads: int = 0  # CPU threads per worker (0 = torch default)
-    feature_dtype: str = "bf16"  # how the features are stored: bf16, or fp8 quantized on the device
+    feature_dtype: str = "bf16"  # how the features are stored: a codec of shared/feature_codecs.py
     verbose: bool = False
     attributes: dict[str, Any] = field(default_factory=dict)
 
@@ -124,7 +119,7 @@ class ShardExtractor:
         self.report = report
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.load_path)
         self.model = model if model is not None else load_target_model(config.load_path, str(device))
-        self.capture = FeatureCapture(self.model, config.layer_ids)
+        self.capture = LayerCapture(self.model, config.layer_ids, stop_after_last=True)
         self.hidden_size = int(self.model.config.hidden_size)
         self.feature_dim = self.hidden_size * len(config.layer_ids)
         self.batch_tokens = config.batch_tokens
@@ -133,7 +128,8 @@ class ShardExtractor:
         self.oom_retries = 0
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.num_layers = len(config.layer_ids)
-        row_width, row_dtype = encoded_row_format(self.feature_dim, config.feature_dtype, self.num_layers)
+        self.codec = codec(config.feature_dtype)
+        row_width, row_dtype = self.codec.encoded_row_format(self.feature_dim, self.num_layers)
         self.pinned = PinnedSlots(4, self.batch_tokens, row_width, row_dtype) if device.type == "cuda" else None
 
     def tokenize(self, task: ShardTask) -> tuple[list[TokenizedSample], dict[str, int]]:
@@ -178,7 +174,7 @@ class ShardExtractor:
             feature_dim=self.feature_dim,
             token_arrays=token_arrays,
             attributes={**self.config.attributes, "shard": shard},
-            feature_dtype=self.config.feature_dtype,
+            codec=self.codec,
             num_layers=self.num_layers,
         )
         try:
@@ -197,8 +193,7 @@ class ShardExtractor:
         except BaseException:
             writer.abort()
             raise
-        stats["bytes"] = int(stats["tokens"]) * stored_row_bytes(self.feature_dim, self.config.feature_dtype,
-                                                                  self.num_layers)
+        stats["bytes"] = int(stats["tokens"]) * self.codec.stored_row_bytes(self.feature_dim, self.num_layers)
         return stats
 
     def _forward_with_backoff(self, batch: list[TokenizedSample], writer: FeatureShardWriter, shard: int) -> None:
@@ -231,9 +226,9 @@ class ShardExtractor:
             mask[row, : len(sample.input_ids)] = 1
         input_ids = torch.from_numpy(ids).to(self.device, non_blocking=True)
         attention_mask = torch.from_numpy(mask).to(self.device, non_blocking=True)
-        features = self.capture(input_ids, attention_mask)  # [B, width, D]
+        features = self.capture.decoder_features(input_ids, attention_mask)  # [B, width, D]
         rows = features[attention_mask.bool()]  # drop padding on the device: [tokens, D], samples back to back
-        rows = encode_feature_rows(rows, self.config.feature_dtype, self.num_layers)  # fp8: quantized here
+        rows = self.codec.encode(rows, self.num_layers)  # fp8: quantized here, on the device
         if self.device.type == "cuda":
             # Copy to pinned host memory on a side stream so the next forward overlaps the transfer;
             # the writer thread waits on the event before touching the rows, then hands the slot back.

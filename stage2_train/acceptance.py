@@ -46,13 +46,10 @@ LOGITS_ROWS = 2048  # rows of logits built at once when taking the argmax (bound
 
 
 def _as_tensor(x: Any) -> Tensor:
-    """Torch tensor from a tensor / numpy array; uint16 numpy arrays hold bfloat16 bits (the cache format)."""
+    """Torch tensor from a tensor / numpy array (features arrive decoded: `FeatureCodec.decode`)."""
     if isinstance(x, Tensor):
         return x
-    array = np.asarray(x)
-    if array.dtype == np.uint16:
-        return torch.from_numpy(np.ascontiguousarray(array)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(array))
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(x)))
 
 
 def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -135,7 +132,7 @@ def acceptance_table(
 ) -> Tensor:
     """[len(anchors)] long (CPU): a(p), the number of accepted draft tokens when decoding reaches anchor p.
 
-    features: [S, n * H] cached target features (bfloat16 / float tensor, or the cache's uint16 bf16 bits);
+    features: [S, n * H] cached target features, decoded (bfloat16 / float tensor);
     input_ids: [S]. Block [token[p], MASK x (Bk - 1)] at positions p..p+Bk-1 sees features at positions < p.
     a(p) = longest prefix of offsets k = 1.. with argmax == token[p + k]; positions >= S are never accepted.
     Uses no_grad; runs the model in its current mode (call ``model.eval()`` first for dropout-free drafts).
@@ -192,7 +189,7 @@ def offline_acceptance(
     """tau on held-out cached sequences, replaying greedy decoding (see the module docstring).
 
     sequences: dicts with ``features`` [S, n * H], ``input_ids`` [S], ``loss_mask`` [S] (tensors or numpy arrays;
-    uint16 features are read as bfloat16 bits). block_size / mask_token_id default to the model config's.
+    features decoded: `FeatureCodec.decode`). block_size / mask_token_id default to the model config's.
 
     Per sequence (skipped if its loss_mask is all 0): the walk covers the FIRST assistant response only (multi-turn
     conversations: later turns follow user tokens the target did not generate): start = its first position P

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from dflash.stage2_train.objective import OBJECTIVES
+
 
 @click.command("train")
 @click.option("--cache", required=True, metavar="DIR|s3://BUCKET/PREFIX",
@@ -27,6 +29,9 @@ import click
               help="Make every drafter layer but the last a sliding-window layer of this many positions.")
 @click.option("--mask-token-id", type=int, default=None,
               help="Token whose embedding fills unknown block positions. Default: the reference resolution order.")
+@click.option("--loss", type=click.Choice(list(OBJECTIVES)), default="ce", show_default=True,
+              help="Training objective (stage2_train/objective.py): ce = the reference's gamma-weighted "
+                   "cross-entropy on the target's tokens.")
 @click.option("--lr", type=float, default=6e-4, show_default=True)
 @click.option("--warmup", type=float, default=0.04, show_default=True, help="Warm-up fraction of the steps.")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
@@ -37,7 +42,7 @@ import click
 @click.option("--max-anchors", type=click.IntRange(min=1), default=512, show_default=True,
               help="Anchors (blocks) sampled per sequence, afresh every epoch. Every sample is padded to this "
                    "many blocks: with answers of a few hundred tokens use ~1/6 of the answer length (64 trained the "
-                   "H200 headline drafter ~7x faster per step than 512, with no worse tau per step: README).")
+                   "H200 headline drafter ~7x faster per step than 512, with no worse tau per step: docs/benchmarks.md).")
 @click.option("--gamma", type=float, default=None, help="Loss decay over block positions (default 7 for B=16).")
 @click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
 @click.option("--eval-every", type=click.IntRange(min=0), default=200, show_default=True)
@@ -73,9 +78,9 @@ def train_command(processes: int | None, compile_: bool, **kwargs: object) -> No
 
     import torch
 
-    from dflash.stage2_train.trainer import TrainOptions, run_training, spawn_processes
-
     from dflash.shared.object_store import resolve_cache
+    from dflash.stage2_train.run_setup import TrainOptions
+    from dflash.stage2_train.trainer import spawn_processes, train
 
     kwargs["cache"] = resolve_cache(str(kwargs["cache"]), read_through=bool(kwargs.pop("local_copy")))
     options = TrainOptions(compile=compile_, **kwargs)  # type: ignore[arg-type]
@@ -84,7 +89,7 @@ def train_command(processes: int | None, compile_: bool, **kwargs: object) -> No
     if processes > 1 and "RANK" not in os.environ:
         sys.exit(spawn_processes(options, processes))
     refuse_cpu_launch_without_ranks()
-    run_training(options)
+    train(options)
 
 
 def refuse_cpu_launch_without_ranks() -> None:
@@ -117,7 +122,7 @@ def refuse_cpu_launch_without_ranks() -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Default: RUN/export.")
 def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> None:
     """Export a checkpoint of a run as a Hugging Face folder (config.json + model.safetensors)."""
-    from dflash.stage2_train.trainer import export_checkpoint
+    from dflash.stage2_train.checkpoints import export_checkpoint
 
     path = export_checkpoint(run_dir, checkpoint, out)
     click.echo(f"exported {path}")

@@ -18,7 +18,7 @@ the rank, or where a run was resumed:
   PyTorch's in-order round-robin merge turns back into exact plan order. Anchors are drawn with an RNG seeded by
   (seed, epoch, shard, row): the same in every worker layout, rank count, and after a resume.
 * `EvalSet` / `eval_sequences` read held-out samples one at a time; `block_labels` builds the per-block labels and
-  block inputs of the DFlash objective (see /work/shared/reference/dflash.md).
+  block inputs of the DFlash objective (the reference's, z-lab/dflash).
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from dflash.shared import cache_format as cf
 from dflash.shared.cache_format import CacheError
+from dflash.shared.feature_codecs import FeatureCodec, manifest_codec
 from dflash.shared.logs import get_logger
+from dflash.shared.object_store import is_mirror, shard_source
 
 log = get_logger(__name__)
 
@@ -178,7 +180,8 @@ class CacheIndex:
         parts: dict[str, list[np.ndarray]] = {k: [] for k in ("shards", "rows", "lengths", "candidates", "index")}
         dropped = dropped_tokens = 0
         for shard in done:
-            offsets, counts, sample_index = _scan_shard(cache_dir, shard, entries[shard], feature_dim)
+            offsets, counts, sample_index = _scan_shard(cache_dir, shard, entries[shard], feature_dim,
+                                                        manifest_codec(manifest))
             lengths = np.diff(offsets)
             keep = counts > 0
             dropped += int((~keep).sum())
@@ -201,6 +204,11 @@ class CacheIndex:
                    rows=joined["rows"], lengths=joined["lengths"], candidates=joined["candidates"],
                    sample_index=joined["index"], split_key=split_key, is_eval=split_key < eval_fraction,
                    dropped_no_anchor=dropped, dropped_tokens=dropped_tokens)
+
+    @property
+    def codec(self) -> FeatureCodec:
+        """How the cache stores its features (from its manifest)."""
+        return manifest_codec(self.manifest)
 
     def _samples(self, positions: np.ndarray) -> list[Sample]:
         return [Sample(int(s), int(r), int(n), int(c)) for s, r, n, c in zip(
@@ -236,14 +244,14 @@ class CacheIndex:
         }
 
 
-def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any],
-                feature_dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any], feature_dim: int,
+                codec: FeatureCodec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(offsets, anchor-candidate counts, sample_index) of one finished shard, checked against the manifest."""
-    path = cf.shard_source(cache_dir, shard)
+    path = shard_source(cache_dir, shard)
     if isinstance(path, Path) and not path.is_dir():
         raise _shard_error(cache_dir, shard, "is marked done in the manifest but its store is missing")
     try:
-        reader = cf.ShardReader(path)
+        reader = cf.ShardReader(path, codec)
         group = reader.group
         offsets = reader.offsets
         loss_mask = np.asarray(group["loss_mask"][:])
@@ -364,13 +372,14 @@ def block_labels(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, anchor_v
 class _Store:
     """One shard store opened read-only, with its array handles (opening an array re-reads its metadata)."""
 
-    def __init__(self, cache_dir: Path, shard: int) -> None:
+    def __init__(self, cache_dir: Path, shard: int, codec: FeatureCodec) -> None:
         self.shard = shard
         try:
-            reader = cf.ShardReader(cf.shard_source(cache_dir, shard))
+            reader = cf.ShardReader(shard_source(cache_dir, shard), codec)
+            self.reader = reader
             self.offsets = reader.offsets
             self.features = reader.features
-            self.feature_scales = reader.feature_scales  # fp8 caches only
+            self.feature_scales = reader.feature_scales  # scaled codecs (fp8) only
             self.input_ids = reader.group["input_ids"]
             self.loss_mask = reader.group["loss_mask"]
             self.group = reader.group
@@ -420,18 +429,18 @@ def _empty_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> T
 class CacheBatches(IterableDataset):
     """The micro-batches of one rank's plan, from position `start` on, as dicts of CPU tensors.
 
-    Each item: features bf16 [B, S_pad, D] (zero padding) — or, from an fp8 cache, features uint8 fp8 bits
-    [B, S_pad, D] and feature_scales float32 [B, S_pad, L], dequantized by the trainer on its device
-    (`cf.dequantize_fp8`) so that only half the bytes cross to the GPU —, input_ids long [B, S_pad], loss_mask bool [B, S_pad],
+    Each item: features [B, S_pad, D] as the cache's codec stores them (zero padding; `FeatureCodec.transport`:
+    bf16 as bfloat16, fp8 as uint8 bits) and, for a scaled codec, feature_scales float32 [B, S_pad, L]; the trainer
+    decodes them on its device (`FeatureCodec.decode`), so that only the stored bytes cross to the GPU;
+    input_ids long [B, S_pad], loss_mask bool [B, S_pad],
     lengths long [B], anchors long [B, A] and anchor_valid bool [B, A] with A = max_anchors always, sample_keys
-    long [B, 2] (shard, row) and position (int: the micro-batch's index in this rank's plan). When
-    `mask_token_id` is given, also labels and block_input_ids long [B, A, block_size] (`block_labels`), computed
-    in the worker. S_pad = max length rounded up to pad_multiple.
+    long [B, 2] (shard, row) and position (int: the micro-batch's index in this rank's plan).
+    S_pad = max length rounded up to pad_multiple.
     """
 
     def __init__(self, cache_dir: Path | str, plan: Sequence[Sequence[Sample]], start: int = 0, *, epoch: int,
                  seed: int, max_anchors: int = DEFAULT_MAX_ANCHORS, block_size: int = DEFAULT_BLOCK_SIZE,
-                 pad_multiple: int = DEFAULT_PAD_MULTIPLE, mask_token_id: int | None = None) -> None:
+                 pad_multiple: int = DEFAULT_PAD_MULTIPLE) -> None:
         super().__init__()
         if not 0 <= start <= len(plan):
             raise ValueError(f"start={start} outside 0..{len(plan)}")
@@ -439,7 +448,7 @@ class CacheBatches(IterableDataset):
         self.epoch, self.seed = int(epoch), _check_seed(seed)
         self.start = int(start)
         self.max_anchors, self.block_size, self.pad_multiple = int(max_anchors), int(block_size), int(pad_multiple)
-        self.mask_token_id = mask_token_id
+        self.codec = manifest_codec(cf.read_manifest(self.cache_dir))
         # Compact arrays instead of Python objects: cheap to pickle into spawned workers.
         sizes = np.array([len(batch) for batch in plan], dtype=np.int64)
         self._bounds = np.zeros(len(plan) + 1, dtype=np.int64)
@@ -463,7 +472,7 @@ class CacheBatches(IterableDataset):
             self._stores, self._pid = {}, os.getpid()
         store = self._stores.get(shard)
         if store is None:
-            store = self._stores[shard] = _Store(self.cache_dir, shard)
+            store = self._stores[shard] = _Store(self.cache_dir, shard, self.codec)
         return store
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -480,11 +489,11 @@ class CacheBatches(IterableDataset):
         first = self._store(int(rows[0, 0]))
         dim = int(first.features.shape[1])
         shared = get_worker_info() is not None
-        fp8 = first.feature_scales is not None
-        features = _empty_tensor((count, width, dim), torch.uint8 if fp8 else torch.uint16, shared)
+        columns = int(first.feature_scales.shape[1]) if self.codec.scaled else 0
+        stored_dtype = torch.from_numpy(np.zeros(0, self.codec.stored_dtype)).dtype
+        features = _empty_tensor((count, width, dim), stored_dtype, shared)
         feature_bits = features.numpy()  # the same memory, as numpy for zarr to read into
-        scales = (_empty_tensor((count, width, int(first.feature_scales.shape[1])), torch.float32, shared)
-                  if fp8 else None)
+        scales = _empty_tensor((count, width, columns), torch.float32, shared) if columns else None
         input_ids = np.zeros((count, width), dtype=np.int32)
         loss_mask = np.zeros((count, width), dtype=np.uint8)
         anchors = np.zeros((count, self.max_anchors), dtype=np.int64)
@@ -507,7 +516,7 @@ class CacheBatches(IterableDataset):
             anchors[b, : len(chosen)] = chosen
             anchor_valid[b, : len(chosen)] = True
         batch: dict[str, Any] = {
-            "features": features if fp8 else features.view(torch.bfloat16),
+            "features": self.codec.transport(features),
             "input_ids": torch.from_numpy(input_ids).long(),
             "loss_mask": torch.from_numpy(loss_mask).bool(),
             "lengths": torch.from_numpy(rows[:, 2].copy()),
@@ -518,10 +527,6 @@ class CacheBatches(IterableDataset):
         }
         if scales is not None:
             batch["feature_scales"] = scales
-        if self.mask_token_id is not None:  # labels in the worker, off the training loop's critical path
-            batch["labels"], batch["block_input_ids"] = block_labels(
-                batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["anchor_valid"], batch["lengths"],
-                self.block_size, self.mask_token_id)
         return batch
 
 
@@ -549,8 +554,6 @@ def make_loader(dataset: CacheBatches, num_workers: int, *, prefetch_factor: int
     workers then come from a forkserver, which has never touched the bucket.
     """
     if context is None:
-        from dflash.shared.object_store import is_mirror
-
         context = "forkserver" if is_mirror(dataset.cache_dir) else "fork"
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
@@ -576,6 +579,7 @@ class EvalSet:
     def __init__(self, index: CacheIndex) -> None:
         self.cache_dir = index.cache_dir
         self.samples = index.eval
+        self.codec = index.codec
         self._stores: dict[int, _Store] = {}
 
     def __len__(self) -> int:
@@ -587,7 +591,7 @@ class EvalSet:
         sample = self.samples[i]
         store = self._stores.get(sample.shard)
         if store is None:
-            store = self._stores[sample.shard] = _Store(self.cache_dir, sample.shard)
+            store = self._stores[sample.shard] = _Store(self.cache_dir, sample.shard, self.codec)
         start, end = store.bounds(sample.row, sample.length, self.cache_dir)
         try:
             features = np.asarray(store.features[start:end])
@@ -599,7 +603,7 @@ class EvalSet:
             raise _shard_error(self.cache_dir, sample.shard, f"could not be read at sample {sample.row} "
                                f"({type(error).__name__}: {error})") from error
         return {
-            "features": cf.decode_features(features, scales),
+            "features": store.reader.codec.decode_numpy(features, scales),
             "input_ids": torch.from_numpy(input_ids.astype(np.int64)),
             "loss_mask": torch.from_numpy(loss_mask.astype(bool)),
             "length": sample.length,

@@ -88,7 +88,7 @@ class DFlashConfig(Qwen3Config):
     def target_layer_ids(self) -> list[int]:
         ids = self.dflash_config.get("target_layer_ids")
         if ids is None:
-            return default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+            return default_layer_ids(self.num_target_layers, self.num_hidden_layers)
         return list(ids)
 
     @property
@@ -116,14 +116,6 @@ class DFlashConfig(Qwen3Config):
         if rope.get("rope_type", "default") != "default":
             out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         return out
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The reference default: [L // 2] for one layer, else spread from layer 1 to L - 3."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
 def _target_rope_parameters(target_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -160,7 +152,7 @@ def config_from_target(
     num_target_layers = int(target_config["num_hidden_layers"])
     ids = list(target_layer_ids) if target_layer_ids is not None else None
     if ids is None:
-        ids = default_target_layer_ids(num_target_layers, num_draft_layers)
+        ids = default_layer_ids(num_target_layers, num_draft_layers)
     if any(not 0 <= i < num_target_layers for i in ids):
         raise ValueError(f"target_layer_ids {ids} outside [0, {num_target_layers})")
     uses_window = layer_types is not None and "sliding_attention" in layer_types

@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 
+from dflash.shared.chat_records import prompt_messages
 from dflash.shared.errors import UserError
 from dflash.shared.logs import get_logger
-from dflash.stage2_train.export import TARGET_INFO_FILE, load_draft, read_target_info
+from dflash.shared.run_files import TARGET_INFO_FILE, run_of_export
+from dflash.stage2_train.export import load_draft, read_target_info
 from dflash.stage2_train.speculative import (
     SpecResult,
     acceptance_by_position,
@@ -50,8 +52,6 @@ log = get_logger(__name__)
 
 BUILTIN_DATASETS = ("humaneval", "mtbench")
 HELDOUT = "heldout"
-ROLE_MAP = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-            "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant"}
 TIE_ULPS = 4  # a divergence whose two logits differ by at most this many ulps of the target dtype is a tie
 TIE_RELATIVE = 1e-4  # ... or by this fraction of the top logit (float32 targets: kernel-shape noise exceeds 4 ulps)
 
@@ -94,32 +94,6 @@ def _mtbench() -> Iterator[Prompt]:
                              [{"role": "user", "content": record["turns"][0]}])
 
 
-def _prompt_messages(record: Any) -> list[dict[str, str]] | None:
-    """The conversation up to (not including) the first assistant turn; None if there is no user turn."""
-    if not isinstance(record, Mapping):
-        return None
-    turns = None
-    for key in ("messages", "conversations", "conversation"):
-        if isinstance(record.get(key), list):
-            turns = record[key]
-            break
-    if turns is None:
-        prompt = record.get("prompt")
-        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) and prompt.strip() else None
-    messages: list[dict[str, str]] = []
-    for turn in turns:
-        if not isinstance(turn, Mapping):
-            return None
-        role = ROLE_MAP.get(str(turn.get("role", turn.get("from", ""))).lower())
-        content = turn.get("content", turn.get("value"))
-        if role is None or not isinstance(content, str):
-            return None
-        if role == "assistant":
-            break
-        messages.append({"role": role, "content": content})
-    return messages if any(m["role"] == "user" for m in messages) else None
-
-
 def _file_prompts(path: Path) -> Iterator[Prompt]:
     opener = gzip.open if path.suffix == ".gz" else open
     try:
@@ -142,7 +116,7 @@ def _file_prompts(path: Path) -> Iterator[Prompt]:
                 except json.JSONDecodeError as error:
                     raise UserError(f"--data {path}:{number}: not valid JSON ({error.msg})") from error
     for number, record in numbered:
-        messages = _prompt_messages(record)
+        messages = prompt_messages(record)
         if messages is not None:
             rid = record.get("id") if isinstance(record, Mapping) else None
             yield Prompt(str(rid) if rid is not None else f"{path.name}:{number}", messages)
@@ -160,11 +134,11 @@ def heldout_prompts(draft_dir: Path, max_samples: int, max_new_tokens: int) -> l
     prompt plus `max_new_tokens` response positions (what the live run generates)."""
     from dflash.stage2_train.data import CacheIndex, eval_sequences
 
-    options_file = Path(draft_dir).resolve().parent / "train_options.json"
-    if not options_file.is_file():
-        raise UserError(f"--data {HELDOUT} needs a drafter exported by `dflash train` into RUN/export (no "
-                        f"{options_file}); pass the run's export folder")
-    options = json.loads(options_file.read_text())
+    run = run_of_export(draft_dir)
+    if run is None:
+        raise UserError(f"--data {HELDOUT} needs a drafter exported by `dflash train` ({draft_dir} names no run "
+                        "directory with its train_options.json); pass a run's export folder")
+    options = json.loads(run.options.read_text())
     cache = Path(options["cache"])
     if not cache.is_dir():
         raise UserError(f"--data {HELDOUT}: the run's cache {cache} is gone")
@@ -328,8 +302,9 @@ def _offline_walk(draft: Any, embed: torch.Tensor, head: torch.Tensor, prompts: 
 
 def training_acceptance(draft_dir: Path) -> dict[str, Any] | None:
     """Held-out offline tau of the run that made this export: untrained (step 0) and last (RUN/metrics.jsonl)."""
-    path = Path(draft_dir).resolve().parent / "metrics.jsonl"
-    if not path.is_file():
+    run = run_of_export(draft_dir)
+    path = run.metrics if run is not None else None
+    if path is None or not path.is_file():
         return None
     evals = []
     for line in path.read_text().splitlines():

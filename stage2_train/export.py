@@ -17,15 +17,14 @@ from typing import Any
 import torch
 
 from dflash.shared.errors import UserError
+from dflash.shared.run_files import CONFIG_FILE, TARGET_INFO_FILE, WEIGHTS_FILE
 from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
 
-WEIGHTS_FILE = "model.safetensors"
-TARGET_INFO_FILE = "dflash_target.json"
 
-
-def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any], *,
+def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any], *, run_dir: Path | None = None,
                  extra_files: dict[str, str] | None = None) -> None:
-    """Write config.json + model.safetensors (bf16), and any extra_files (name: text), atomically into out_dir."""
+    """Write config.json + model.safetensors (bf16), the target record (with the run directory it came from), and
+    any extra_files (name: text), atomically into out_dir."""
     from safetensors.torch import save_file
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
@@ -34,7 +33,7 @@ def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any
     config = model.config.to_dict()
     config["torch_dtype"] = "bfloat16"
     config["dtype"] = "bfloat16"
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     state = {name: tensor.detach().to(torch.bfloat16).contiguous().cpu() for name, tensor in model.state_dict().items()}
     save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     identity = manifest.get("identity", {})
@@ -45,6 +44,7 @@ def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any
         "hidden_size": identity.get("hidden_size"),
         "vocab_size": config.get("vocab_size"),
         "layer_ids": identity.get("layer_ids"),
+        "run_dir": str(Path(run_dir).resolve()) if run_dir is not None else None,
     }
     (tmp / TARGET_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     for name, text in (extra_files or {}).items():
@@ -77,7 +77,7 @@ def load_draft_weights(model: DFlashDraftModel, export_dir: Path) -> None:
 
 def load_draft(export_dir: Path, attn_implementation: str = "auto") -> DFlashDraftModel:
     """Load an exported drafter (ours or a reference export) into DFlashDraftModel, strictly."""
-    config_path = export_dir / "config.json"
+    config_path = export_dir / CONFIG_FILE
     if not config_path.is_file():
         raise UserError(f"{export_dir} is not an exported drafter: config.json not found (run `dflash export`)")
     config = DFlashConfig.from_dict(json.loads(config_path.read_text()))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash.shared.run_files import RunFiles
+
 
 def write_plots(run_dir: Path) -> Path | None:
     import matplotlib
@@ -12,7 +14,7 @@ def write_plots(run_dir: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = run_dir / "metrics.jsonl"
+    path = RunFiles(run_dir).metrics
     if not path.is_file():
         return None
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -31,7 +33,7 @@ def write_plots(run_dir: Path) -> Path | None:
         axes[2].bar(range(1, len(by_position) + 1), by_position)
         axes[2].set(title=f"P(accepted >= k), step {evals[-1]['step']}", xlabel="block position k", ylim=(0, 1))
     figure.tight_layout()
-    out = run_dir / "training.png"
+    out = RunFiles(run_dir).plot
     figure.savefig(out, dpi=90)
     plt.close(figure)
     return out

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash.shared.target_layers import LayerCapture
+
 
 @dataclass
 class SpecResult:
@@ -131,15 +133,6 @@ def crop_cache(cache: Any, keep: int) -> None:
         raise RuntimeError(f"could not crop the KV cache ({type(cache).__name__}) to {keep} positions")
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer list of a transformers causal LM."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    layers = getattr(decoder, "layers", None)
-    if layers is None:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
-    return layers
-
-
 class TargetRunner:
     """Runs the target with its KV cache; optionally captures the outputs of ``layer_ids`` through forward hooks."""
 
@@ -151,30 +144,17 @@ class TargetRunner:
         params = _forward_params(target)
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
-        self._captured: dict[int, Tensor] = {}
-        self._handles: list[Any] = []
+        self._capture: LayerCapture | None = None
 
     @contextmanager
     def hooked(self) -> Iterator[TargetRunner]:
-        layers = decoder_layers(self.target)
-        bad = [i for i in self.layer_ids if not 0 <= i < len(layers)]
-        if bad:
-            raise ValueError(f"layer_ids {bad} outside the target's {len(layers)} layers")
-        for i in self.layer_ids:
-            self._handles.append(layers[i].register_forward_hook(self._hook(i)))
+        """Capture the outputs of `layer_ids` in every forward inside (the hooks stage 1 extracts with)."""
+        self._capture = LayerCapture(self.target, self.layer_ids)
         try:
             yield self
         finally:
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
-            self._captured.clear()
-
-    def _hook(self, layer_id: int) -> Any:
-        def hook(_module: Any, _inputs: Any, output: Any) -> None:
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return hook
+            self._capture.remove()
+            self._capture = None
 
     def forward(self, ids: Sequence[int] | Tensor, start: int, last_only: bool = False) -> tuple[Tensor, Tensor | None]:
         """Run positions start..start + len(ids) - 1 (the cache must hold exactly ``start`` positions).
@@ -190,15 +170,18 @@ class TargetRunner:
         kwargs: dict[str, Any] = {self._cache_kwarg: self.cache, "use_cache": True}
         if last_only and self._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        self._captured.clear()
-        out = self.target(input_ids=ids_t, position_ids=positions, **kwargs)
+        if self.layer_ids and self._capture is None:
+            raise RuntimeError("TargetRunner.forward with layer_ids needs `with runner.hooked():`")
+        if self._capture is None or not self.layer_ids:
+            out = self.target(input_ids=ids_t, position_ids=positions, **kwargs)
+            features = None
+        else:
+            with self._capture.active():
+                out = self.target(input_ids=ids_t, position_ids=positions, **kwargs)
+            features = self._capture.features()
         logits = out.logits[0]
         if last_only:
             logits = logits[-1:]
-        features = None
-        if self.layer_ids:
-            features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
-            self._captured.clear()
         return logits.float(), features
 
 

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from dflash.shared import cache_format as cf
 from dflash.shared.target_loading import load_target_model, resolve_target
-from dflash.stage1_extract.capture import FeatureCapture, default_layer_ids
+from dflash.shared.feature_codecs import bf16_view
+from dflash.shared.target_layers import LayerCapture, default_layer_ids
 from dflash.stage1_extract.worker import plan_batches
 from tests.cache_compare import assert_same_cache, read_cache_arrays
 from tests.conftest import EXTRACT_ARGS, REPO, run_dflash
@@ -69,9 +70,9 @@ def test_capture_is_bit_identical_to_output_hidden_states(smollm2: torch.nn.Modu
     input_ids = torch.randint(3, 49152, (2, 40), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, 25:] = 0  # right padding, as extraction batches use
-    capture = FeatureCapture(smollm2, layer_ids)
+    capture = LayerCapture(smollm2, layer_ids, stop_after_last=True)
     try:
-        captured = capture(input_ids, attention_mask)
+        captured = capture.decoder_features(input_ids, attention_mask)
     finally:
         capture.remove()
     with torch.inference_mode():
@@ -109,7 +110,7 @@ def test_cached_features_equal_a_direct_forward_of_each_sample(baseline_cache: P
         reader = cf.ShardReader(store)
         for i in range(reader.num_samples):
             ids, _ = reader.sample_tokens(i)
-            stored = cf.bf16_view(reader.sample_features(i)).float().view(len(ids), len(layer_ids), -1)
+            stored = bf16_view(reader.sample_features(i)).float().view(len(ids), len(layer_ids), -1)
             direct = layers_of(smollm2, ids)
             assert stored.shape == direct.shape
             if not torch.equal(stored, direct):

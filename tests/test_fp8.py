@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash.shared import cache_format as cf
+from dflash.shared import feature_codecs as fc
 from dflash.stage1_extract.shard_writer import FeatureShardWriter
 from tests.conftest import EXTRACT_ARGS, run_dflash
 
@@ -23,14 +24,34 @@ E4M3_RELATIVE_STEP = 2.0**-4
 def test_encoded_rows_have_the_declared_format_and_split_back(dtype: str) -> None:
     layers, hidden, tokens = 3, 16, 5
     features = torch.randn(tokens, layers * hidden).to(torch.bfloat16)
-    rows = cf.encode_feature_rows(features, dtype, layers)
-    width, row_dtype = cf.encoded_row_format(layers * hidden, dtype, layers)
+    codec = fc.codec(dtype)
+    rows = codec.encode(features, layers)
+    width, row_dtype = codec.encoded_row_format(layers * hidden, layers)
     assert rows.shape == (tokens, width) and rows.dtype == row_dtype
-    assert cf.stored_row_bytes(layers * hidden, dtype, layers) == rows[0].numel() * rows.element_size()
+    assert codec.stored_row_bytes(layers * hidden, layers) == rows[0].numel() * rows.element_size()
+    bits, scales = codec.split_rows(rows, layers * hidden)
+    assert bits.dtype == codec.stored_dtype and bits.shape == (tokens, layers * hidden)
     if dtype == "fp8":
-        bits, scales = cf.split_fp8_rows(rows.numpy(), layers * hidden)
-        expected_bits, expected_scales = cf.quantize_fp8(features, layers)
+        expected_bits, expected_scales = fc.FP8.quantize(features, layers)
         assert np.array_equal(bits, expected_bits.numpy()) and np.array_equal(scales, expected_scales.numpy())
+    else:
+        assert scales is None and torch.equal(fc.bf16_view(bits), features)
+    # Decoding what was stored gives the features back: exactly for bf16, within e4m3's rounding for fp8.
+    decoded = codec.decode_numpy(bits, scales)
+    assert decoded.dtype == torch.bfloat16 and decoded.shape == features.shape
+    tolerance = 0 if dtype == "bf16" else E4M3_RELATIVE_STEP * float(features.float().abs().max())
+    assert float((decoded.float() - features.float()).abs().max()) <= tolerance
+
+
+def test_every_codec_is_known_by_name_and_by_its_stored_record() -> None:
+    assert fc.FEATURE_DTYPES[0] == "fp8"  # the --feature-dtype default
+    for name in fc.FEATURE_DTYPES:
+        codec = fc.codec(name)
+        assert codec.name == name and fc.logical_codec(codec.logical_dtype) is codec
+        assert fc.manifest_codec({"identity": {"feature_dtype": name}}) is codec
+    assert fc.manifest_codec({"identity": {}}) is fc.BF16  # caches from before fp8 existed
+    with pytest.raises(ValueError, match="unknown feature dtype"):
+        fc.codec("int4")
 
 
 @settings(max_examples=40, deadline=None)
@@ -42,10 +63,10 @@ def test_quantization_error_is_bounded_per_token_and_layer(tokens: int, layers: 
     values = torch.randn(tokens, layers, hidden, generator=generator) * 10.0**log_scale
     values[:, 0, 0] *= 10.0**outlier  # a massive-activation channel in layer 0 only
     features = values.flatten(1).to(torch.bfloat16)
-    bits, scales = cf.quantize_fp8(features, layers)
+    bits, scales = fc.FP8.quantize(features, layers)
     assert bits.dtype == torch.uint8 and bits.shape == features.shape
     assert scales.dtype == torch.float32 and scales.shape == (tokens, layers)
-    back = cf.dequantize_fp8(bits, scales, torch.float32).view(tokens, layers, hidden)
+    back = fc.FP8.decode(bits, scales, torch.float32).view(tokens, layers, hidden)
     source = features.float().view(tokens, layers, hidden)
     # Each block's largest magnitude maps to 448 and comes back (to float32 rounding of amax / 448 * 448), so
     # no value is clipped ...
@@ -59,9 +80,9 @@ def test_quantization_error_is_bounded_per_token_and_layer(tokens: int, layers: 
 def test_zero_blocks_stay_zero_and_representable_values_are_exact() -> None:
     exact = torch.tensor([[448.0, -448.0, 0.5, -3.25, 0.0, 2.0**-6, 96.0, 1.0]])  # all e4m3 numbers
     features = torch.cat([exact * 2.0**-3, torch.zeros(1, 8)], dim=1)  # layer 0: scale 1/8; layer 1: zeros
-    bits, scales = cf.quantize_fp8(features, 2)
+    bits, scales = fc.FP8.quantize(features, 2)
     assert scales.tolist() == [[2.0**-3, 1.0]]
-    assert torch.equal(cf.dequantize_fp8(bits, scales, torch.float32), features)
+    assert torch.equal(fc.FP8.decode(bits, scales, torch.float32), features)
 
 
 @settings(max_examples=20, deadline=None)
@@ -80,13 +101,13 @@ def test_fp8_store_round_trip_equals_the_quantizer(tmp_path_factory: pytest.Temp
     cf.SHARD_TARGET_BYTES = 64 * layers * hidden  # several zarr shard files per store
     try:
         writer = FeatureShardWriter(final, feature_dim=layers * hidden, token_arrays=arrays, attributes={},
-                                    feature_dtype="fp8", num_layers=layers)
+                                    codec=fc.FP8, num_layers=layers)
     finally:
         cf.SHARD_TARGET_BYTES = saved
     for start in range(0, total, batch):  # as a worker submits: encoded rows, uneven batches
-        writer.submit(cf.encode_feature_rows(features[start : start + batch], "fp8", layers))
+        writer.submit(fc.FP8.encode(features[start : start + batch], layers))
     writer.close({"samples": len(lengths)})
-    bits, scales = cf.quantize_fp8(features, layers)
+    bits, scales = fc.FP8.quantize(features, layers)
     # Plain zarr reads what we wrote (our shard-file encoder for uint8 rows; the scales through zarr).
     group = zarr.open_group(str(final), mode="r")
     assert group["features"].dtype == np.uint8 and group["features"].attrs["logical_dtype"] == "float8_e4m3fn"
@@ -95,7 +116,7 @@ def test_fp8_store_round_trip_equals_the_quantizer(tmp_path_factory: pytest.Temp
     reader = cf.ShardReader(final)
     assert cf.feature_file_problems(final, reader.features) == []
     for i in range(len(lengths)):
-        expected = cf.dequantize_fp8(bits[offsets[i] : offsets[i + 1]], scales[offsets[i] : offsets[i + 1]],
+        expected = fc.FP8.decode(bits[offsets[i] : offsets[i + 1]], scales[offsets[i] : offsets[i + 1]],
                                      torch.bfloat16)
         assert torch.equal(reader.sample_feature_tensor(i), expected)
 
@@ -122,7 +143,7 @@ def test_fp8_extraction_stores_the_quantized_bf16_features(fp8_cache: Path, base
         ours = cf.ShardReader(cf.shard_path(fp8_cache, int(key)))
         theirs = cf.ShardReader(cf.shard_path(baseline_cache, int(key)))
         np.testing.assert_array_equal(ours.offsets, theirs.offsets)
-        bits, scales = cf.quantize_fp8(cf.bf16_view(np.asarray(theirs.features[:])), layers)
+        bits, scales = fc.FP8.quantize(fc.bf16_view(np.asarray(theirs.features[:])), layers)
         np.testing.assert_array_equal(np.asarray(ours.features[:]), bits.numpy())
         np.testing.assert_array_equal(np.asarray(ours.feature_scales[:]), scales.numpy())
         assert baseline["shards"][key]["tokens"] == entry["tokens"]
@@ -146,7 +167,7 @@ def test_training_dequantizes_fp8_batches_to_the_stored_values(fp8_cache: Path, 
                                                pad_multiple=8), 1, pin_memory=False)))
     assert batch["features"].dtype == torch.uint8
     assert batch["feature_scales"].shape == (*batch["features"].shape[:2], 5)
-    decoded = cf.dequantize_fp8(batch["features"], batch["feature_scales"], torch.bfloat16)
+    decoded = fc.FP8.decode(batch["features"], batch["feature_scales"], torch.bfloat16)
     shard, row = batch["sample_keys"][0].tolist()
     stored = cf.ShardReader(cf.shard_path(fp8_cache, shard)).sample_feature_tensor(row)
     length = int(batch["lengths"][0])

@@ -1,4 +1,4 @@
-"""The FSDP settings of `dflash train --fsdp` (dflash.stage2_train.trainer.fsdp_plugin) on the real drafter.
+"""The FSDP settings of `dflash train --fsdp` (dflash.stage2_train.run_setup.fsdp_plugin) on the real drafter.
 
 Accelerate has no FSDP on CPU, so the test wraps the drafter with torch's FSDP itself, the way Accelerate's plugin
 asks for (auto-wrap policy, original parameters), in two gloo processes that really shard it, and checks one
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash.stage2_train.draft_model import DFlashConfig, DFlashDecoderLayer, DFlashDraftModel
-from dflash.stage2_train.trainer import fsdp_plugin
+from dflash.stage2_train.run_setup import fsdp_plugin
 
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, vocab_size=100, block_size=4, num_target_layers=4,

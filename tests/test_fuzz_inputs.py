@@ -472,7 +472,7 @@ def test_only_shards_selecting_nothing_is_refused(value: str) -> None:
 
 def test_too_many_draft_layers_names_the_option() -> None:
     from dflash.shared.errors import UserError
-    from dflash.stage1_extract.capture import default_layer_ids, validate_layer_ids
+    from dflash.shared.target_layers import default_layer_ids, validate_layer_ids
 
     with pytest.raises(UserError, match="--draft-layers"):
         validate_layer_ids(default_layer_ids(30, 100), 30)

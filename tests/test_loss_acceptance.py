@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash.shared.feature_codecs import BF16
 from dflash.stage2_train.acceptance import (
     acceptance_table,
     draft_predictions,
@@ -314,9 +315,10 @@ def test_oracle_chain_is_fully_accepted() -> None:
     assert 1.0 <= result["tau_random_anchors"] <= BLOCK
     assert model.training is False
 
-    # Same data as cache arrays: numpy input_ids / mask, bf16 bits as uint16 features.
+    # Same data as read from a cache: numpy input_ids / mask, stored bf16 bits decoded by their codec.
     bits = features.to(torch.bfloat16).view(torch.uint16).numpy()
-    bf16 = offline_acceptance(model, embed, head, [make_sequence(ids.numpy().astype(np.int32), bits, mask.numpy())])
+    decoded = BF16.decode_numpy(bits, None)
+    bf16 = offline_acceptance(model, embed, head, [make_sequence(ids.numpy().astype(np.int32), decoded, mask.numpy())])
     assert bf16["steps"] >= 1 and 1.0 <= bf16["tau_walk"] <= BLOCK
 
     # The prompt_end convention adds one step at the last prompt token.

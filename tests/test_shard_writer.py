@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from zarr.codecs import Crc32cCodec
 
 from dflash.shared import cache_format as cf
+from dflash.shared.feature_codecs import BF16, bf16_view
 from dflash.stage1_extract.shard_writer import FeatureShardWriter
 from dflash.stage1_extract.zarr_shard_file import write_shard_file
 
@@ -56,7 +57,8 @@ def test_writer_round_trip_in_uneven_batches(tmp_path: Path, feature_dim: int, m
     total = sum(lengths)
     features = torch.randn(total, feature_dim).to(torch.bfloat16)
     final = tmp_path / "shards" / cf.shard_name(0)
-    writer = FeatureShardWriter(final, feature_dim=feature_dim, token_arrays=_token_arrays(lengths), attributes={})
+    writer = FeatureShardWriter(final, feature_dim=feature_dim, token_arrays=_token_arrays(lengths), attributes={},
+                                codec=BF16)
     start = 0
     for size in (5, 100, 1, 200, total):
         writer.submit(features[start : start + size])
@@ -67,15 +69,15 @@ def test_writer_round_trip_in_uneven_batches(tmp_path: Path, feature_dim: int, m
     writer.close({"samples": len(lengths)})
     reader = cf.ShardReader(final)
     assert reader.num_samples == len(lengths) and reader.num_tokens == total
-    stored = cf.bf16_view(np.asarray(reader.features[:]))
+    stored = bf16_view(np.asarray(reader.features[:]))
     assert torch.equal(stored, features)  # bit-exact bf16
-    assert torch.equal(cf.bf16_view(reader.sample_features(2)), features[73:224])
+    assert torch.equal(bf16_view(reader.sample_features(2)), features[73:224])
     assert not list(final.parent.glob(".*tmp*"))
 
 
 def test_writer_refuses_more_rows_than_the_store_holds(tmp_path: Path) -> None:
     final = tmp_path / cf.shard_name(0)
-    writer = FeatureShardWriter(final, feature_dim=8, token_arrays=_token_arrays([4]), attributes={})
+    writer = FeatureShardWriter(final, feature_dim=8, token_arrays=_token_arrays([4]), attributes={}, codec=BF16)
     writer.submit(torch.zeros(6, 8, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="feature rows"):
         writer.close({})
@@ -85,7 +87,7 @@ def test_writer_refuses_more_rows_than_the_store_holds(tmp_path: Path) -> None:
 
 def test_writer_refuses_a_store_with_missing_rows(tmp_path: Path) -> None:
     final = tmp_path / cf.shard_name(0)
-    writer = FeatureShardWriter(final, feature_dim=8, token_arrays=_token_arrays([4, 4]), attributes={})
+    writer = FeatureShardWriter(final, feature_dim=8, token_arrays=_token_arrays([4, 4]), attributes={}, codec=BF16)
     writer.submit(torch.zeros(5, 8, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="5 of 8"):
         writer.close({})

@@ -69,17 +69,6 @@ def test_custom_target_matches_the_known_one(rates) -> None:  # type: ignore[no-
     assert incomplete.returncode == 2 and "needs all of" in incomplete.stderr
 
 
-def test_bytes_per_token_match_the_cache_format() -> None:
-    from dflash.shared import cache_format as cf
-
-    for target in sizing.KNOWN_TARGETS.values():
-        for captured in (1, 5, 8):
-            dim = captured * target.hidden
-            for dtype in ("bf16", "fp8"):
-                expected = cf.stored_row_bytes(dim, dtype, captured)
-                assert sizing.feature_bytes_per_token(target, dtype, captured) == expected
-
-
 def test_fp8_cache_is_about_half_of_bf16() -> None:
     for target in sizing.KNOWN_TARGETS.values():
         data = sizing.Data("x", 1e9, 800, 0.5)
@@ -155,11 +144,6 @@ def test_training_pays_for_padded_anchors(rates) -> None:  # type: ignore[no-unt
 
 
 def test_layer_rule_and_params_match_the_project_and_public_figures() -> None:
-    from dflash.stage1_extract.capture import default_layer_ids
-
-    for layers in (12, 28, 30, 32, 36, 64, 80):
-        for n in (1, 2, 5, 8):
-            assert sizing.default_layer_ids(layers, n) == default_layer_ids(layers, n)
     # public model cards: total, and (Qwen3) non-embedding parameters
     published = {"Qwen3-8B": 8.19e9, "Llama-3.1-8B": 8.03e9, "Qwen3-32B": 32.8e9, "Llama-3.3-70B": 70.6e9}
     for name, total in published.items():

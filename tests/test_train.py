@@ -277,7 +277,7 @@ def test_export_command_exports_the_latest_checkpoint_also_an_fsdp_one(train_cac
     from accelerate.utils.constants import FSDP_MODEL_NAME
     from safetensors.torch import save_file
 
-    from dflash.stage2_train.trainer import CACHE_MANIFEST_FILE, DRAFT_CONFIG_FILE
+    from dflash.shared.run_files import RunFiles
 
     config = DFlashConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
                           num_key_value_heads=3, head_dim=64, vocab_size=49152, block_size=16, num_target_layers=30,
@@ -287,8 +287,8 @@ def test_export_command_exports_the_latest_checkpoint_also_an_fsdp_one(train_cac
     for layout in ("ddp", "fsdp"):
         run = tmp_path / layout
         (run / "checkpoints").mkdir(parents=True)
-        (run / DRAFT_CONFIG_FILE).write_text(json.dumps(config.to_dict()))
-        (run / CACHE_MANIFEST_FILE).write_text((train_cache / cf.MANIFEST_FILE).read_text())
+        (RunFiles(run).draft_config).write_text(json.dumps(config.to_dict()))
+        (RunFiles(run).cache_manifest).write_text((train_cache / cf.MANIFEST_FILE).read_text())
         for step, state in states.items():
             folder = run / "checkpoints" / f"step-{step:08d}"
             folder.mkdir()

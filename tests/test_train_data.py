@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash.shared import cache_format as cf
+from dflash.shared.feature_codecs import BF16, bf16_view
 from dflash.stage1_extract.shard_writer import FeatureShardWriter
 from dflash.stage2_train import data as td
 from dflash.stage2_train.data import CacheBatches, CacheError, CacheIndex, Sample, block_labels, plan_epoch, rank_plan
@@ -81,7 +82,7 @@ def build_cache(root: Path, shard_samples: list[int], *, dim: int = DIM, seed: i
                             "offsets": offsets, "sample_index": np.array([s[0] for s in samples], np.int64),
                             "sample_ids": [f"conv-{s[0]}" for s in samples]}
             writer = FeatureShardWriter(cf.shard_path(root, shard), feature_dim=dim, token_arrays=token_arrays,
-                                        attributes={"layer_ids": [1, 2, 3], "shard": shard})
+                                        attributes={"layer_ids": [1, 2, 3], "shard": shard}, codec=BF16)
             rows = torch.cat([s[3] for s in samples])
             for begin in range(0, len(rows), 37):  # uneven batches, as a worker submits them
                 writer.submit(rows[begin : begin + 37])
@@ -118,7 +119,7 @@ def stored_samples(cache: Path) -> dict[tuple[int, int], dict]:
         index = np.asarray(reader.group["sample_index"][:])
         for row in range(reader.num_samples):
             ids, mask = reader.sample_tokens(row)
-            result[(int(key), row)] = {"features": cf.bf16_view(reader.sample_features(row)), "input_ids": ids,
+            result[(int(key), row)] = {"features": bf16_view(reader.sample_features(row)), "input_ids": ids,
                                        "loss_mask": mask, "sample_index": int(index[row])}
     return result
 
@@ -234,8 +235,7 @@ def test_batches_hold_the_stored_rows_bit_exactly(cache: Path, epoch_plan: list[
     empty = td._empty_tensor
     monkeypatch.setattr(td, "_empty_tensor",  # dirty memory: every padding byte must be written
                         lambda shape, dtype, shared: empty(shape, dtype, shared).fill_(255))
-    dataset = CacheBatches(cache, epoch_plan, epoch=0, seed=1, max_anchors=16, block_size=4, pad_multiple=PAD,
-                           mask_token_id=7)
+    dataset = CacheBatches(cache, epoch_plan, epoch=0, seed=1, max_anchors=16, block_size=4, pad_multiple=PAD)
     items = collect(dataset, 0)
     assert [item["position"] for item in items] == list(range(len(epoch_plan)))
     for item, batch in zip(items, epoch_plan):
@@ -244,9 +244,6 @@ def test_batches_hold_the_stored_rows_bit_exactly(cache: Path, epoch_plan: list[
         assert item["features"].dtype == torch.bfloat16 and item["features"].shape == (count, width, DIM)
         assert item["input_ids"].dtype == torch.long and item["loss_mask"].dtype == torch.bool
         assert item["anchors"].shape == item["anchor_valid"].shape == (count, 16)
-        assert item["labels"].shape == item["block_input_ids"].shape == (count, 16, 4)
-        assert torch.equal(item["labels"], block_labels(item["input_ids"], item["loss_mask"], item["anchors"],
-                                                        item["anchor_valid"], item["lengths"], 4, 7)[0])
         assert item["sample_keys"].tolist() == [[s.shard, s.row] for s in batch]
         assert item["lengths"].tolist() == [s.length for s in batch]
         for b, sample in enumerate(batch):
@@ -285,8 +282,7 @@ def test_anchors_follow_the_rule_and_change_every_epoch(cache: Path, index: Cach
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_loader_order_and_content_do_not_depend_on_workers(cache: Path, epoch_plan: list[list[Sample]]) -> None:
     def dataset() -> CacheBatches:
-        return CacheBatches(cache, epoch_plan, epoch=0, seed=1, max_anchors=8, block_size=4, pad_multiple=PAD,
-                            mask_token_id=7)
+        return CacheBatches(cache, epoch_plan, epoch=0, seed=1, max_anchors=8, block_size=4, pad_multiple=PAD)
 
     reference = collect(dataset(), 0)
     assert [item["position"] for item in reference] == list(range(len(epoch_plan)))

@@ -1,0 +1,102 @@
+"""The files of a `dflash train` run directory and of a drafter export: every name in one place.
+
+    RUN/
+      train.log, train-rankK.log   the log of the main process / of process K
+      train_options.json           the options the run was started with (cache path, split fraction, seed, ...)
+      draft_config.json            the drafter's config (sizes, layers, mask token)
+      cache_manifest.json          the manifest of the cache it trains from (what the export records)
+      metrics.jsonl                one line per step and per evaluation
+      training.png, tensorboard/   plots
+      checkpoints/step-NNNNNNNN/   Accelerate state + data position; `complete` marks a fully written one
+      export/                      the final drafter (EXPORT: config.json, model.safetensors, dflash_target.json)
+      export_best/                 the drafter of the best held-out evaluation, with best.json (its step and tau)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# An export folder (what `dflash train` and `dflash export` write, and what eval, vLLM and SGLang load).
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TARGET_INFO_FILE = "dflash_target.json"  # the target (and run) the drafter was trained for
+BEST_RECORD_FILE = "best.json"  # in export_best/: the step and held-out tau of that evaluation
+CHECKPOINT_COMPLETE_FILE = "complete"  # in a checkpoint folder: written last
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The paths of one run directory."""
+
+    root: Path
+
+    def log(self, rank: int = 0) -> Path:
+        return self.root / ("train.log" if rank == 0 else f"train-rank{rank}.log")
+
+    @property
+    def options(self) -> Path:
+        return self.root / "train_options.json"
+
+    @property
+    def draft_config(self) -> Path:
+        return self.root / "draft_config.json"
+
+    @property
+    def cache_manifest(self) -> Path:
+        return self.root / "cache_manifest.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def plot(self) -> Path:
+        return self.root / "training.png"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def export_best(self) -> Path:
+        return self.root / "export_best"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step:08d}"
+
+    def complete_checkpoints(self) -> list[Path]:
+        """The fully written checkpoints, oldest first."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = [p for p in self.checkpoints.glob("step-*") if (p / CHECKPOINT_COMPLETE_FILE).is_file()]
+        return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+    def latest_checkpoint(self) -> Path | None:
+        done = self.complete_checkpoints()
+        return done[-1] if done else None
+
+
+def run_of_export(export_dir: Path) -> RunFiles | None:
+    """The run directory an export came from: the one its target record names (written by `dflash train` and
+    `dflash export`), else its parent when that is a run directory (older exports); None for a foreign export."""
+    export_dir = Path(export_dir).resolve()
+    info_path = export_dir / TARGET_INFO_FILE
+    if info_path.is_file():
+        try:
+            recorded = json.loads(info_path.read_text()).get("run_dir")
+        except json.JSONDecodeError:
+            recorded = None
+        if recorded and RunFiles(Path(recorded)).options.is_file():
+            return RunFiles(Path(recorded))
+    parent = RunFiles(export_dir.parent)
+    return parent if parent.options.is_file() else None

@@ -1,0 +1,122 @@
+"""The target side both stages share: which target layers feed the drafter, where a model keeps its decoder
+layers, and the forward hooks that capture their outputs.
+
+Extraction (`dflash extract`) and evaluation (`dflash eval`) capture features through the same `LayerCapture`, so
+"the drafter sees at inference what it was trained on" has one implementation: each captured tensor is exactly the
+layer's output, i.e. what a full forward's `hidden_states[i + 1]` holds (same kernels, same inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from dflash.shared.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where it is used (benchmarks/sizing.py reads the layer rule without it)
+    import torch
+
+
+def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference rule: one layer in the middle, else spread from layer 1 to L - 3 (Python's round)."""
+    if num_draft_layers < 1:
+        raise UserError("--draft-layers must be at least 1")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if num_draft_layers > end - start + 1:
+        raise UserError(f"--draft-layers {num_draft_layers}: the default choice spreads the captured layers over "
+                        f"target layers {start}..{end}, so at most {max(1, end - start + 1)} for this "
+                        f"{num_target_layers}-layer target; pass fewer, or name them with --target-layers")
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def validate_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> list[int]:
+    """The layer ids, sorted, after checking that each exists once in a target of `num_target_layers` layers."""
+    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise UserError(f"--target-layers: layers {bad} do not exist: the target has layers 0..{num_target_layers - 1}")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise UserError(f"--target-layers: {list(layer_ids)} contain duplicates")
+    return sorted(layer_ids)
+
+
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """The decoder layer list of a transformers causal LM (or of its decoder)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise UserError(f"cannot find the decoder layers of {type(model).__name__}: dflash looks for "
+                        "`model.get_decoder().layers`")
+    return layers
+
+
+class _StopForward(Exception):
+    """Raised by the deepest captured layer's hook when nothing above it is needed."""
+
+
+class LayerCapture:
+    """Forward hooks on the decoder layers `layer_ids` of `model` that keep each layer's output, but only inside
+    `active()`: other forwards of the model run untouched. With `stop_after_last`, the deepest captured layer ends
+    the forward (the layers above it, the final norm and the LM head are never computed)."""
+
+    def __init__(self, model: Any, layer_ids: Sequence[int], stop_after_last: bool = False) -> None:
+        self.model = model
+        self.layer_ids = list(layer_ids)
+        layers = decoder_layers(model)
+        bad = [i for i in self.layer_ids if not 0 <= i < len(layers)]
+        if bad:
+            raise UserError(f"layers {bad} do not exist: the target has layers 0..{len(layers) - 1}")
+        self._stop_at = max(self.layer_ids) if stop_after_last and self.layer_ids else None
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._active = False
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+
+    def _hook(self, layer_id: int) -> Any:
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            if not self._active:
+                return
+            self._outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+            if layer_id == self._stop_at:
+                raise _StopForward
+
+        return hook
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Capture during the forward(s) run inside; a forward ended early by `stop_after_last` ends quietly."""
+        self._outputs.clear()
+        self._active = True
+        try:
+            yield
+        except _StopForward:
+            pass
+        finally:
+            self._active = False
+
+    def features(self) -> torch.Tensor:
+        """The captured outputs concatenated in `layer_ids` order: [..., len(layer_ids) * hidden]."""
+        import torch
+
+        missing = [i for i in self.layer_ids if i not in self._outputs]
+        if missing:
+            raise RuntimeError(f"layers {missing} produced no output in the last forward")
+        features = torch.cat([self._outputs[i] for i in self.layer_ids], dim=-1)
+        self._outputs.clear()
+        return features
+
+    def decoder_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Extraction's forward: the decoder alone over a padded batch, without a KV cache, ended after the deepest
+        captured layer -> features [batch, length, len(layer_ids) * hidden]."""
+        import torch
+
+        with torch.inference_mode():
+            with self.active():
+                self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            return self.features()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

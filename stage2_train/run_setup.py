@@ -1,0 +1,363 @@
+"""Setting up a training run, in the order it happens: the accelerator, the data, the drafter, the optimizer, the
+resume point. `setup_run(options)` returns a `TrainingRun` holding all of it; `trainer.py` runs the loop over it.
+
+One process per GPU (or `--processes N` CPU processes with gloo), DDP by default (`--fsdp`: FSDP). The target is
+never loaded: the frozen embedding and LM head come from the cache's `target/` folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.shared import cache_format as cf
+from dflash.shared.errors import UserError
+from dflash.shared.feature_codecs import FeatureCodec, manifest_codec
+from dflash.shared.logs import get_logger, setup_logging
+from dflash.shared.run_files import BEST_RECORD_FILE, CONFIG_FILE, RunFiles
+from dflash.stage2_train.data import CacheBatches, CacheIndex, make_loader, plan_epoch
+from dflash.stage2_train.draft_model import DFlashConfig, DFlashDecoderLayer, DFlashDraftModel, config_from_target
+from dflash.stage2_train.loss import default_gamma, position_weights
+from dflash.stage2_train.objective import OBJECTIVES, Objective
+from dflash.stage2_train.target_parts import TargetParts, load_target_parts, resolve_mask_token
+
+log = get_logger(__name__)
+
+
+@dataclass
+class TrainOptions:
+    cache: Path
+    out: Path
+    epochs: int = 1
+    max_steps: int | None = None
+    draft_layers: int | None = None
+    block_size: int = 16
+    sliding_window: int | None = None
+    mask_token_id: int | None = None
+    loss: str = "ce"
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    batch_tokens: int = 8192
+    grad_accum: int = 1
+    max_anchors: int = 512
+    gamma: float | None = None
+    eval_fraction: float = 0.05
+    eval_every: int = 200
+    eval_sequences: int = 16
+    checkpoint_every: int = 500
+    resume: bool = False
+    init_from: Path | None = None
+    seed: int = 0
+    attention: str = "auto"
+    compile: bool = False
+    fsdp: bool = False
+    mixed_precision: str = "auto"
+    num_workers: int = 2
+    log_every: int = 10
+    verbose: bool = False
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint must hold besides model / optimizer / scheduler / RNG: the exact data position."""
+
+    step: int = 0
+    epoch: int = 0
+    position: int = 0  # micro-batches of this rank's plan already consumed in `epoch`
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.epoch, self.position = int(state["step"]), int(state["epoch"]), int(state["position"])
+
+
+@dataclass
+class TrainingRun:
+    """Everything the loop needs, made once by `setup_run`."""
+
+    options: TrainOptions
+    files: RunFiles
+    accelerator: Any
+    cache: Path
+    manifest: dict[str, Any]
+    codec: FeatureCodec  # how the cache stores its features
+    index: CacheIndex  # train / held-out split of the cache
+    parts: TargetParts  # the frozen target pieces, on the CPU
+    config: DFlashConfig
+    mask_token_id: int
+    model: Any  # the drafter, prepared by Accelerate (DDP / FSDP wrapped)
+    optimizer: Any
+    scheduler: Any
+    objective: Objective
+    compute_dtype: torch.dtype
+    embed: torch.Tensor  # frozen, on the device, in the compute dtype
+    lm_head: torch.Tensor
+    position_weights: torch.Tensor  # [block_size] loss weight per block offset
+    pad_multiple: int
+    steps_per_epoch: int
+    total_steps: int
+    state: TrainState = field(default_factory=TrainState)
+    best_tau: float = -math.inf  # the best held-out walk tau after step 0 (export_best/)
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def plan(self, epoch: int) -> list[Any]:
+        """The global micro-batch plan of an epoch (the same on every rank)."""
+        return plan_epoch(self.index, epoch, self.options.seed, self.options.batch_tokens, self.world,
+                          self.pad_multiple)
+
+    def steps_in_epoch(self, epoch: int, plan: list[Any] | None = None) -> int:
+        return len(plan if plan is not None else self.plan(epoch)) // (self.world * self.options.grad_accum)
+
+    def loader(self, epoch: int, position: int, plan: list[Any] | None = None) -> Any:
+        """This rank's micro-batches of `epoch` from plan position `position` on (CPU tensors)."""
+        plan = plan if plan is not None else self.plan(epoch)
+        dataset = CacheBatches(self.cache, plan[self.rank :: self.world], start=position, epoch=epoch,
+                               seed=self.options.seed, max_anchors=self.options.max_anchors,
+                               block_size=self.options.block_size, pad_multiple=self.pad_multiple)
+        return make_loader(dataset, self.options.num_workers)
+
+    def whole_drafter(self) -> DFlashDraftModel | None:
+        """The drafter with all of its weights on the main process (None on the others), to evaluate and export.
+
+        Under DDP every process holds the whole drafter. Under FSDP each holds a shard and every forward needs all
+        of them, so a forward on the main process alone would hang: the full weights are gathered (a collective:
+        every process calls this) into a plain copy on the main process."""
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type != DistributedType.FSDP:
+            return self.accelerator.unwrap_model(self.model) if self.is_main else None
+        state = self.accelerator.get_state_dict(self.model)
+        if not self.is_main:
+            return None
+        with torch.device(self.device):  # not meta: the rotary inv_freq buffer is not in the state dict
+            whole = DFlashDraftModel(self.config, attn_implementation=self.options.attention)  # type: ignore[arg-type]
+        whole.load_state_dict(state)
+        return whole
+
+
+def setup_run(options: TrainOptions) -> TrainingRun:
+    """Build a run in order: accelerator and logs, cache and split, drafter, optimizer and schedule, compile; then
+    the resume point (checkpoint loaded) and the run's records on disk."""
+    files = RunFiles(options.out.resolve())
+    files.root.mkdir(parents=True, exist_ok=True)
+    accelerator, precision = make_accelerator(options, files)
+    from accelerate.utils import set_seed
+
+    set_seed(options.seed)
+    cache = options.cache.resolve()
+    manifest = cf.read_manifest(cache)
+    index = CacheIndex.from_cache(cache, options.eval_fraction, options.seed)
+    parts = load_target_parts(cache)
+    config, mask_token_id = drafter_config(options, manifest, parts, files)
+    torch.manual_seed(options.seed)
+    model = DFlashDraftModel(config, attn_implementation=options.attention)  # type: ignore[arg-type]
+    if options.init_from is not None:
+        init_from_export(model, config, manifest, options.init_from)
+    # Frozen target parts in the compute dtype (bf16 under mixed precision; fp32 otherwise, e.g. CPU tests).
+    compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    device = accelerator.device
+    if options.loss not in OBJECTIVES:
+        raise UserError(f"--loss {options.loss}: choose one of {', '.join(OBJECTIVES)}")
+    run = TrainingRun(
+        options=options, files=files, accelerator=accelerator, cache=cache, manifest=manifest,
+        codec=manifest_codec(manifest), index=index, parts=parts, config=config, mask_token_id=mask_token_id,
+        model=model, optimizer=None, scheduler=None, objective=OBJECTIVES[options.loss], compute_dtype=compute_dtype,
+        embed=parts.embed_tokens.to(device, compute_dtype), lm_head=parts.lm_head.to(device, compute_dtype),
+        position_weights=position_weights(options.block_size, options.gamma or default_gamma(options.block_size),
+                                          device=device),
+        pad_multiple=128 if device.type == "cuda" else 16, steps_per_epoch=0, total_steps=0)
+    # Each epoch packs a new shuffle into token-budget micro-batches, so epochs differ in step count.
+    run.steps_per_epoch = run.steps_in_epoch(0)
+    if run.steps_per_epoch == 0:
+        raise UserError(f"the cache holds too few training samples for one step of {run.world} x "
+                        f"{options.grad_accum} micro-batches of {options.batch_tokens} tokens")
+    run.total_steps = options.max_steps or sum(run.steps_in_epoch(e) for e in range(options.epochs))
+    make_optimizer(run)
+    if options.compile:
+        # Each decoder layer, compiled in place in this process: the mask building stays eager (its data-dependent
+        # indexing is cheap and made inductor fail on CPU when the whole drafter was compiled), and weight names,
+        # checkpoints and the export stay those of the uncompiled drafter.
+        layers = accelerator.unwrap_model(run.model).layers
+        for layer in layers:
+            layer.compile()
+        log.info("--compile: %d decoder layers compile on their first steps", len(layers))
+    accelerator.register_for_checkpointing(run.state)
+    if options.resume:
+        resume(run)
+    if run.is_main:
+        write_run_records(run)
+    return run
+
+
+def make_accelerator(options: TrainOptions, files: RunFiles) -> tuple[Any, str]:
+    """The Accelerator (DDP, or FSDP with --fsdp) and the mixed precision it runs; logs open at once."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+
+    precision = options.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() else "no"
+    plugins: dict[str, Any] = {}
+    if options.fsdp and not torch.cuda.is_available():
+        # Accelerate shards with FSDP only on GPUs; on CPU it would quietly train with DDP instead.
+        raise UserError("--fsdp needs CUDA GPUs (Accelerate has no FSDP on CPU); leave it out to train with DDP")
+    if options.fsdp:
+        plugins["fsdp_plugin"] = fsdp_plugin(precision)
+    # cpu=True on a machine without CUDA: Accelerate then forms a gloo process group from RANK/WORLD_SIZE.
+    accelerator = Accelerator(mixed_precision=precision, project_dir=str(files.root), cpu=not torch.cuda.is_available(),
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
+                              **plugins)
+    setup_logging(files.log(accelerator.process_index), verbose=options.verbose, console=accelerator.is_main_process)
+    if options.fsdp and accelerator.distributed_type != DistributedType.FSDP:
+        log.warning("--fsdp: Accelerate did not enable FSDP (distributed type %s; it needs a GPU process group: "
+                    "accelerate launch, torchrun or --processes N), so the drafter trains unsharded",
+                    accelerator.distributed_type)
+    return accelerator, precision
+
+
+def fsdp_plugin(precision: str) -> Any:
+    """Accelerate's FSDP plugin as dflash uses it, every setting pinned (an `accelerate config` file or FSDP_*
+    variables would otherwise change them): FSDP1 keeping the original parameters (so the AdamW built before
+    `prepare` updates the sharded weights, and compiled layers see plain parameters), one FSDP unit per decoder
+    layer (so a forward gathers one layer at a time), full-state checkpoints (what `dflash export --run` reads),
+    and under bf16 float32 gradient reduction and float32 buffers (the RoPE inverse frequencies must not be
+    rounded to bf16, as they are not under DDP or at inference)."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecision
+
+    policy = None
+    if precision == "bf16":
+        policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=1, use_orig_params=True, state_dict_type="FULL_STATE_DICT",
+        auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=[DFlashDecoderLayer.__name__],
+        mixed_precision_policy=policy)
+
+
+def drafter_config(options: TrainOptions, manifest: dict[str, Any], parts: TargetParts,
+                   files: RunFiles) -> tuple[DFlashConfig, int]:
+    """The drafter's config (sizes from the target, layers from the cache) and its mask token (an earlier export
+    of this run keeps its choice)."""
+    previous_path = files.export / CONFIG_FILE
+    previous = json.loads(previous_path.read_text()) if previous_path.is_file() else {}
+    mask_token_id = resolve_mask_token(parts, options.mask_token_id,
+                                       previous.get("dflash_config", {}).get("mask_token_id"))
+    layer_ids = list(manifest["identity"]["layer_ids"])
+    num_layers = options.draft_layers or len(layer_ids)
+    layer_types = None
+    if options.sliding_window:
+        layer_types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
+    config = config_from_target(parts.config, layer_ids, num_layers, options.block_size, mask_token_id,
+                                layer_types=layer_types, sliding_window=options.sliding_window)
+    return config, mask_token_id
+
+
+def config_differences(config: DFlashConfig, before: dict[str, Any], what: str) -> list[str]:
+    """The sizes in which the drafter config `before` differs from `config`, one line each."""
+    now = config.to_dict()
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "num_hidden_layers", "vocab_size", "block_size", "num_target_layers", "dflash_config", "layer_types")
+    return [f"{key}: {what} has {before.get(key)!r}, this cache and these flags give {now.get(key)!r}"
+            for key in keys if before.get(key) != now.get(key)]
+
+
+def init_from_export(model: DFlashDraftModel, config: DFlashConfig, manifest: dict[str, Any],
+                     export_dir: Path) -> None:
+    """--init-from: start from an exported drafter's weights (a fresh optimizer and schedule), e.g. to go on
+    training across sessions of a lent GPU or to fine-tune on new data. It must be the same drafter for the same
+    target; a checkpoint found by --resume takes precedence (it is loaded afterwards)."""
+    from dflash.stage2_train.export import load_draft_weights, read_target_info
+
+    config_path = export_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise UserError(f"--init-from {export_dir}: no config.json there: give the export folder of a run "
+                        "(RUN/export, or what `dflash export` wrote)")
+    differences = config_differences(config, json.loads(config_path.read_text()), "the export")
+    trained_for = read_target_info(export_dir).get("target_hash")
+    target_hash = manifest["identity"].get("target_hash")
+    if trained_for and target_hash and trained_for != target_hash:
+        differences.append(f"target: the export was trained for target {trained_for}, this cache holds "
+                           f"features of target {target_hash}")
+    if differences:
+        raise UserError(f"--init-from: the drafter in {export_dir} does not match:\n  " + "\n  ".join(differences)
+                        + "\nstart from an export made with the same target and drafter flags")
+    load_draft_weights(model, export_dir)  # the config matched: the same shapes, no second drafter built
+    log.info("--init-from: starting from the weights of %s", export_dir)
+
+
+def cosine_with_warmup(total_steps: int, warmup_fraction: float) -> Any:
+    """The learning-rate factor per step: linear warm-up over `warmup_fraction` of the steps, then cosine to 0."""
+    warmup = max(1, round(total_steps * warmup_fraction))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def make_optimizer(run: TrainingRun) -> None:
+    """AdamW (betas 0.9 / 0.95) and the warm-up + cosine schedule; the drafter and optimizer prepared by
+    Accelerate."""
+    options = run.options
+    optimizer = torch.optim.AdamW(run.model.parameters(), lr=options.lr, betas=(0.9, 0.95),
+                                  weight_decay=options.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(run.total_steps, options.warmup))
+    run.model, run.optimizer = run.accelerator.prepare(run.model, optimizer)
+    # Not prepared: Accelerate's scheduler wrapper steps once per process, which would run the schedule world_size
+    # times too fast. It is still saved and restored with every checkpoint.
+    run.scheduler = scheduler
+    run.accelerator.register_for_checkpointing(scheduler)
+
+
+def resume(run: TrainingRun) -> None:
+    """--resume: refuse a run whose drafter has other sizes, then load its latest complete checkpoint (model,
+    optimizer, schedule, RNG, data position) and the best held-out tau it kept."""
+    path = run.files.draft_config
+    if path.is_file():
+        differences = config_differences(run.config, json.loads(path.read_text()), "the run")
+        if differences:
+            raise UserError(f"--resume: the drafter in {run.files.root} does not match:\n  " + "\n  ".join(differences)
+                            + "\nresume with the cache and flags the run was started with, or train into a new --out")
+    best = run.files.export_best / BEST_RECORD_FILE
+    run.best_tau = float(json.loads(best.read_text())["tau_walk"]) if best.is_file() else -math.inf
+    latest = run.files.latest_checkpoint()
+    if latest is None:
+        log.info("--resume: no checkpoint in %s, starting from scratch", run.files.checkpoints)
+        return
+    run.accelerator.load_state(str(latest))
+    log.info("resumed from %s (step %d, epoch %d, micro-batch %d)", latest, run.state.step, run.state.epoch,
+             run.state.position)
+
+
+def write_run_records(run: TrainingRun) -> None:
+    """What the run was made from, beside its results: options, drafter config, the cache's manifest."""
+    run.files.options.write_text(json.dumps(
+        {k: str(v) if isinstance(v, Path) else v for k, v in asdict(run.options).items()}, indent=2))
+    run.files.draft_config.write_text(json.dumps(run.config.to_dict(), indent=2))
+    cf.write_json_atomic(run.files.cache_manifest, run.manifest)
