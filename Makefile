@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WORK ?= work
-# Size of the `make all` run (README "Sizing make all"): ShareGPT conversations whose first answer SmolLM2
+# Size of the `make all` run (README "Sizing `make all`"): ShareGPT conversations whose first answer SmolLM2
 # regenerates, the longest conversation and answer in tokens, worker processes (2 on a CPU-only machine; empty =
 # one per GPU where nvidia-smi exists), more generate flags (e.g. --static-cache on GPUs), the drafter's training
 # flags, and the evaluation size.
@@ -55,11 +55,11 @@ all: $(STAMP)
 		--max-new-tokens $(EVAL_TOKENS) --out $(WORK)/eval
 	@cat $(WORK)/eval/eval.md
 
-# CPU figures (SmolLM2 over ShareGPT); results in benchmarks/results/*.json and the README.
+# CPU figures (SmolLM2 over ShareGPT); results in benchmarks/results/*.json and docs/benchmarks.md.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_extract.py --target smollm2 --tokens 4000 --threads 2 --out benchmarks/results
 
-# On a GPU machine (see README "Benchmarks"): Qwen3-8B-shaped random-weight target, ~200K tokens.
+# On a GPU machine (see docs/benchmarks.md): Qwen3-8B-shaped random-weight target, ~200K tokens.
 bench-gpu:
 	python3 benchmarks/bench_writer.py --gb 4 --out benchmarks/results
 	python3 benchmarks/bench_extract.py --target qwen3-8b-random --out benchmarks/results
