@@ -38,7 +38,7 @@ test: $(STAMP)
 # Randomized kill campaign (10 random kills per command) and its table; ~15 minutes on 2 cores.
 reliability: $(STAMP)
 	rm -f benchmarks/results/reliability.json
-	-$(BIN)/python -m pytest -q -m reliability tests/test_reliability.py
+	-$(BIN)/python -m pytest -q -m reliability tests/end_to_end/test_reliability.py
 	$(BIN)/python benchmarks/reliability_table.py benchmarks/results/reliability.json
 
 test-all: $(STAMP)
