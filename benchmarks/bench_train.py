@@ -171,7 +171,8 @@ def main() -> None:
     if args.samples < args.batch * (args.steps + 1):  # the loader variant reads one first batch, then --steps
         parser.error(f"--samples must be at least --batch x (--steps + 1) = {args.batch * (args.steps + 1)}")
     from dflash.stage2_train.loss import weight_sum
-    from dflash.stage2_train.run_setup import TrainOptions, setup_run
+    from dflash.stage2_train.options import TrainOptions
+    from dflash.stage2_train.run_setup import setup_run
     from dflash.stage2_train.trainer import forward_loss, micro_batch_inputs
 
     target = TINY if args.tiny else QWEN3_8B

@@ -18,7 +18,7 @@ import torch
 
 from dflash.shared.errors import user_facing_errors
 from dflash.stage2_train.cli import train_command
-from dflash.stage2_train.run_setup import TrainOptions
+from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.trainer import train
 
 

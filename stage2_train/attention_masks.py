@@ -292,3 +292,204 @@ def dense_to_block_mask(mask: Tensor, compile: bool | None = None):
     return create_block_mask(
         mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=mask.device, _compile=compile
     )
+
+
+# --- the packed training layout: the blocks of every sequence of a micro-batch on one flat axis, no padding blocks ---
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where the blocks of a packed micro-batch sit.
+
+    The contexts of the micro-batch's sequences lie back to back on one flat axis of C positions (`context_len`,
+    padded at the end to a bucket); their blocks follow on a second flat axis, sequence after sequence, N blocks
+    of Bk (`block_size`), the last ones padding to a bucket (``block_valid`` False). Block j belongs to the sequence
+    whose context starts at flat index ``block_context_start[j]`` and has its anchor at position
+    ``block_anchor[j]`` of that sequence. Keys are [the C context positions; the N * Bk block positions], batch 1.
+
+    The rule is the padded layout's (`AnchorLayout`): a block sees the context positions of its own sequence
+    strictly before its anchor, the flat range [start_j, start_j + p_j), and its own block; never another block or
+    another sequence. A padding block sees only itself. ``context_positions`` [C] holds each context token's
+    position inside its sequence (the RoPE position; 0 for padding).
+    """
+
+    block_anchor: Tensor
+    block_context_start: Tensor
+    block_valid: Tensor
+    context_positions: Tensor
+    context_len: int
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_anchor.shape[0]
+
+    @property
+    def num_queries(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_keys(self) -> int:
+        return self.context_len + self.num_queries
+
+    @property
+    def device(self) -> torch.device:
+        return self.block_anchor.device
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedLayout:
+        return replace(self, **{name: getattr(self, name).to(device, non_blocking=non_blocking) for name in
+                                ("block_anchor", "block_context_start", "block_valid", "context_positions")})
+
+    @classmethod
+    def from_anchor_lists(cls, anchor_lists: Sequence[Sequence[int] | Tensor], context_lengths: Sequence[int],
+                          block_size: int, num_blocks: int | None = None, context_len: int | None = None,
+                          device: torch.device | str | None = None) -> PackedLayout:
+        """Pack sequences of the given context lengths and anchors (each list inside its sequence), padding the
+        blocks to ``num_blocks`` and the context to ``context_len`` (defaults: no padding)."""
+        lists = [torch.as_tensor(a, dtype=torch.long).flatten().cpu() for a in anchor_lists]
+        lengths = torch.as_tensor(list(context_lengths), dtype=torch.long)
+        starts = torch.cumsum(lengths, 0) - lengths
+        total = int(lengths.sum())
+        counts = torch.tensor([len(a) for a in lists], dtype=torch.long)
+        real = int(counts.sum())
+        num_blocks = real if num_blocks is None else num_blocks
+        context_len = total if context_len is None else context_len
+        if num_blocks < real or context_len < total:
+            raise ValueError(f"{real} blocks / {total} context positions do not fit {num_blocks} / {context_len}")
+        anchor = torch.zeros(num_blocks, dtype=torch.long)
+        start = torch.zeros(num_blocks, dtype=torch.long)
+        valid = torch.zeros(num_blocks, dtype=torch.bool)
+        if real:
+            anchor[:real] = torch.cat(lists)
+            start[:real] = torch.repeat_interleave(starts, counts)
+            valid[:real] = True
+        positions = torch.zeros(context_len, dtype=torch.long)
+        if total:
+            positions[:total] = torch.arange(total) - torch.repeat_interleave(starts, lengths)
+        bad = [(i, a.tolist()) for i, a in enumerate(lists) if len(a) and (int(a.min()) < 0 or int(a.max()) >= lengths[i])]
+        if bad:
+            raise ValueError(f"anchors outside their sequence: {bad[:3]}")
+        layout = cls(anchor, start, valid, positions, context_len, block_size)
+        return layout.to(device) if device is not None else layout
+
+    def query_position_ids(self) -> Tensor:
+        """[1, N * Bk] positions of the block queries inside their sequences: anchor + offset."""
+        offsets = torch.arange(self.block_size, device=self.device)
+        return (self.block_anchor[:, None] + offsets).reshape(1, self.num_queries)
+
+    def context_position_ids(self) -> Tensor:
+        """[1, C] positions of the context keys inside their sequences."""
+        return self.context_positions[None]
+
+
+def _packed_visible(layout: PackedLayout, q_idx: Tensor, kv_idx: Tensor, sliding_window: int | None) -> Tensor:
+    """The DFlash rule on the packed layout for (query index, key index); inputs broadcast."""
+    bk, ctx_len = layout.block_size, layout.context_len
+    q_block = q_idx // bk
+    start = layout.block_context_start[q_block]
+    anchor = layout.block_anchor[q_block]
+    is_context = kv_idx < ctx_len
+    kv_block = torch.clamp(kv_idx - ctx_len, min=0) // bk
+    sees_context = is_context & layout.block_valid[q_block] & (kv_idx >= start) & (kv_idx < start + anchor)
+    visible = sees_context | (~is_context & (kv_block == q_block))
+    if sliding_window is not None:
+        q_pos = anchor + q_idx % bk
+        context_pos = layout.context_positions[torch.clamp(kv_idx, max=ctx_len - 1)] if ctx_len else kv_idx
+        k_pos = torch.where(is_context, context_pos, layout.block_anchor[kv_block] + (kv_idx - ctx_len) % bk)
+        visible = visible & (k_pos > q_pos - sliding_window)
+    return visible
+
+
+def packed_dense_mask(layout: PackedLayout, sliding_window: int | None = None) -> Tensor:
+    """Boolean mask [1, N * Bk, C + N * Bk] of the packed layout (the eager reference)."""
+    if sliding_window is not None and sliding_window < layout.block_size:
+        raise ValueError(f"sliding_window={sliding_window} must be >= block_size={layout.block_size}")
+    q_idx = torch.arange(layout.num_queries, device=layout.device)[:, None]
+    kv_idx = torch.arange(layout.num_keys, device=layout.device)[None, :]
+    return _packed_visible(layout, q_idx, kv_idx, sliding_window)[None]
+
+
+@dataclass(frozen=True)
+class PackedGroups:
+    """The packed mask cut into groups of G consecutive blocks for SDPA: group g's queries score only a window of W
+    context positions starting at ``context_start[g]`` (covering what its blocks may see) and its own G * Bk block
+    keys. ``mask`` [n_groups, 1, G * Bk, W + G * Bk] (True = attend), decided by `_packed_visible`;
+    ``context_index`` [n_groups, W] the flat context position of each window key (clamped inside the context:
+    positions past a window's end are masked)."""
+
+    mask: Tensor
+    context_index: Tensor
+
+    @property
+    def queries_per_group(self) -> int:
+        return self.mask.shape[2]
+
+    @property
+    def window(self) -> int:
+        return self.context_index.shape[1]
+
+
+def packed_blocks_per_group(layout: PackedLayout, window: int) -> int:
+    """Blocks per group for `packed_groups`: the fewest (a power of two dividing N) whose keys, n_groups * (W +
+    G * Bk) with W the longest window, stay within MAX_GROUPED_KEYS_RATIO times the whole mask's C + N * Bk; the
+    whole layout as one group below MIN_GROUPED_BLOCK_KEYS block keys (the copies cost more than they save)."""
+    n, bk = layout.num_blocks, layout.block_size
+    if n * bk < MIN_GROUPED_BLOCK_KEYS:
+        return max(n, 1)
+    group = 1
+    while group < n:
+        if n % group == 0 and (n // group) * (window + group * bk) <= MAX_GROUPED_KEYS_RATIO * layout.num_keys:
+            return group
+        group *= 2
+    return max(n, 1)
+
+
+def packed_groups(layout: PackedLayout, sliding_window: int | None = None,
+                  num_blocks_per_group: int | None = None) -> PackedGroups:
+    """The packed layout's mask for grouped SDPA (see `PackedGroups`)."""
+    if sliding_window is not None and sliding_window < layout.block_size:
+        raise ValueError(f"sliding_window={sliding_window} must be >= block_size={layout.block_size}")
+    n, bk, ctx_len, device = layout.num_blocks, layout.block_size, layout.context_len, layout.device
+    lo = torch.where(layout.block_valid, layout.block_context_start, torch.full_like(layout.block_anchor, ctx_len))
+    hi = torch.where(layout.block_valid, layout.block_context_start + layout.block_anchor, torch.zeros_like(lo))
+
+    def windows(group: int) -> tuple[Tensor, int]:
+        starts = lo.view(-1, group).amin(1)
+        ends = hi.view(-1, group).amax(1)
+        starts = torch.minimum(starts, ends)  # a group of padding blocks only: an empty window at its end
+        return starts, int((ends - starts).max()) if n else 0  # one sync per micro-batch and layer type
+
+    if num_blocks_per_group is None:
+        _, whole_window = windows(max(n, 1)) if n else (None, 0)
+        num_blocks_per_group = packed_blocks_per_group(layout, whole_window)
+    if n % max(num_blocks_per_group, 1):
+        raise ValueError(f"{num_blocks_per_group} blocks per group do not tile {n} blocks")
+    group = max(num_blocks_per_group, 1)
+    starts, width = windows(group)
+    width = max(width, 1)
+    num_groups, group_queries = n // group, group * bk
+    context_index = (starts[:, None] + torch.arange(width, device=device)).clamp(max=max(ctx_len - 1, 0))
+    in_window = starts[:, None] + torch.arange(width, device=device) < ctx_len
+    q_idx = (torch.arange(num_groups, device=device) * group_queries)[:, None, None] + \
+        torch.arange(group_queries, device=device)[None, :, None]  # [n, G*Bk, 1]
+    block_kv = ctx_len + (torch.arange(num_groups, device=device) * group_queries)[:, None] + \
+        torch.arange(group_queries, device=device)  # [n, G*Bk]
+    kv_idx = torch.cat([context_index, block_kv], dim=1)[:, None, :]  # [n, 1, W + G*Bk]
+    mask = _packed_visible(layout, q_idx, kv_idx, sliding_window)
+    keep = torch.cat([in_window, torch.ones_like(block_kv, dtype=torch.bool)], dim=1)[:, None, :]
+    return PackedGroups((mask & keep)[:, None], context_index)
+
+
+def make_packed_block_mask(layout: PackedLayout, sliding_window: int | None = None, compile: bool | None = None):
+    """A flex-attention BlockMask of the packed layout (batch 1, heads broadcast); compiled on CUDA by default."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if sliding_window is not None and sliding_window < layout.block_size:
+        raise ValueError(f"sliding_window={sliding_window} must be >= block_size={layout.block_size}")
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return _packed_visible(layout, q_idx, kv_idx, sliding_window)
+
+    compile = layout.device.type == "cuda" if compile is None else compile
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=layout.num_queries, KV_LEN=layout.num_keys,
+                             device=layout.device, _compile=compile)

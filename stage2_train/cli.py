@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from dflash.stage2_train.objective import OBJECTIVES
+from dflash.stage2_train.options import TrainOptions
 
 
 @click.command("train")
@@ -24,7 +25,7 @@ from dflash.stage2_train.objective import OBJECTIVES
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N optimizer steps.")
 @click.option("--draft-layers", type=click.IntRange(1, 16), default=None,
               help="Drafter layers. Default: the number of captured target layers.")
-@click.option("--block-size", type=click.IntRange(2, 64), default=16, show_default=True)
+@click.option("--block-size", type=click.IntRange(2, 64), default=TrainOptions.block_size, show_default=True)
 @click.option("--sliding-window", type=click.IntRange(min=1), default=None,
               help="Make every drafter layer but the last a sliding-window layer of this many positions.")
 @click.option("--mask-token-id", type=int, default=None,
@@ -32,17 +33,21 @@ from dflash.stage2_train.objective import OBJECTIVES
 @click.option("--loss", type=click.Choice(list(OBJECTIVES)), default="ce", show_default=True,
               help="Training objective (stage2_train/objective.py): ce = the reference's gamma-weighted "
                    "cross-entropy on the target's tokens.")
-@click.option("--lr", type=float, default=6e-4, show_default=True)
+@click.option("--lr", type=float, default=TrainOptions.lr, show_default=True)
 @click.option("--warmup", type=float, default=0.04, show_default=True, help="Warm-up fraction of the steps.")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
 @click.option("--clip", type=float, default=1.0, show_default=True, help="Gradient-norm clip (0 = off).")
-@click.option("--batch-tokens", type=click.IntRange(min=16), default=8192, show_default=True,
-              help="Padded context tokens per micro-batch (per process).")
+@click.option("--batch-tokens", type=click.IntRange(min=16), default=TrainOptions.batch_tokens, show_default=True,
+              help="Tokens per micro-batch (per process): the packed context tokens of its sequences plus their "
+                   "block tokens (anchors x block size).")
 @click.option("--grad-accum", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--max-anchors", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Anchors (blocks) sampled per sequence, afresh every epoch. Every sample is padded to this "
-                   "many blocks: with answers of a few hundred tokens use ~1/6 of the answer length (64 trained the "
-                   "H200 headline drafter ~7x faster per step than 512, with no worse tau per step: docs/benchmarks.md).")
+@click.option("--anchor-density", type=click.FloatRange(0, 1, min_open=True), default=TrainOptions.anchor_density,
+              show_default="1/6",
+              help="Anchors (blocks) drawn per sequence and epoch, as a fraction of its anchor positions (pairs of "
+                   "supervised tokens), rounded up: the anchor count follows each answer's length. The blocks of "
+                   "a micro-batch are packed without padding.")
+@click.option("--max-anchors", type=click.IntRange(min=1), default=TrainOptions.max_anchors, show_default=True,
+              help="Cap on the anchors per sequence and epoch (the reference draws 512 in 3,072-token sequences).")
 @click.option("--gamma", type=float, default=None, help="Loss decay over block positions (default 7 for B=16).")
 @click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
 @click.option("--eval-every", type=click.IntRange(min=0), default=200, show_default=True)
@@ -79,7 +84,6 @@ def train_command(processes: int | None, compile_: bool, **kwargs: object) -> No
     import torch
 
     from dflash.shared.object_store import resolve_cache
-    from dflash.stage2_train.run_setup import TrainOptions
     from dflash.stage2_train.trainer import spawn_processes, train
 
     kwargs["cache"] = resolve_cache(str(kwargs["cache"]), read_through=bool(kwargs.pop("local_copy")))

@@ -40,13 +40,12 @@ from dflash.shared.cache_format import CacheError
 from dflash.shared.feature_codecs import FeatureCodec, manifest_codec
 from dflash.shared.logs import get_logger
 from dflash.shared.object_store import is_mirror, shard_source
+from dflash.stage2_train.attention_masks import PackedLayout
+from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ANCHORS
 
 log = get_logger(__name__)
 
-DEFAULT_MAX_ANCHORS = 512
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_PAD_MULTIPLE = 64
-SORT_WINDOW = 64  # shuffled samples sorted by length together before grouping
+DEFAULT_BUCKET_MULTIPLE = 16  # packed lengths are rounded up to a multiple of this (at least), see `bucket`
 IGNORE_INDEX = -100
 
 # Distinct tags keep the RNG streams of the plan, of the anchors and of the split apart for the same seed.
@@ -116,18 +115,52 @@ def _candidate_counts(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return cumulative[offsets[1:]] - cumulative[offsets[:-1]]
 
 
-def sample_anchors(loss_mask: np.ndarray, max_anchors: int, seed: int, epoch: int, shard: int, row: int) -> np.ndarray:
-    """Up to `max_anchors` anchor candidates, uniformly without replacement, sorted (int64).
+@dataclass(frozen=True)
+class AnchorRule:
+    """How many anchors (blocks) a sequence gets per epoch: `density` of its anchor candidates, rounded up, at
+    least 1 and at most `max_anchors` (density None: every candidate up to the cap, the reference's rule)."""
+
+    density: float | None = DEFAULT_ANCHOR_DENSITY
+    max_anchors: int = DEFAULT_MAX_ANCHORS
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        if self.density is not None and not 0 < self.density <= 1:
+            raise ValueError(f"anchor density must be in (0, 1], got {self.density}")
+        if self.max_anchors < 1 or self.block_size < 1:
+            raise ValueError(f"max_anchors={self.max_anchors}, block_size={self.block_size}")
+
+    def count(self, candidates: np.ndarray | int) -> np.ndarray:
+        """Anchors drawn from sequences with these numbers of candidates."""
+        n = np.asarray(candidates, dtype=np.int64)
+        wanted = n if self.density is None else np.maximum(1, np.ceil(self.density * n - 1e-9)).astype(np.int64)
+        return np.minimum(np.minimum(wanted, n), self.max_anchors)
+
+    def cost(self, lengths: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+        """Tokens a sample adds to a packed micro-batch: its context plus its blocks."""
+        return np.asarray(lengths, dtype=np.int64) + self.count(candidates) * self.block_size
+
+
+def sample_anchors(loss_mask: np.ndarray, rule: AnchorRule, seed: int, epoch: int, shard: int, row: int) -> np.ndarray:
+    """`rule.count` anchor candidates, uniformly without replacement, sorted (int64).
 
     The RNG is seeded by (seed, epoch, shard, row) only: the same anchors in any worker, on any rank, after a
     resume; fresh ones every epoch."""
     candidates = anchor_candidates(loss_mask)
-    if len(candidates) <= max_anchors:
+    count = int(rule.count(len(candidates)))
+    if len(candidates) <= count:
         return candidates.astype(np.int64)
     rng = np.random.default_rng([_check_seed(seed), int(epoch), int(shard), int(row), _ANCHOR_STREAM])
-    chosen = rng.choice(len(candidates), size=max_anchors, replace=False)
+    chosen = rng.choice(len(candidates), size=count, replace=False)
     chosen.sort()
     return candidates[chosen].astype(np.int64)
+
+
+def bucket(value: int, multiple: int = DEFAULT_BUCKET_MULTIPLE) -> int:
+    """`value` rounded up to a multiple of `multiple` and of 1/16 of its power of two: padding stays under 6.25 %
+    and a run sees few distinct shapes (about 16 per doubling), which compiled kernels are specialised for."""
+    step = max(multiple, 1 << max(0, int(value).bit_length() - 5))
+    return -(-int(value) // step) * step
 
 
 # ------------------------------------------------------------------------------------------------- index
@@ -288,41 +321,33 @@ def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any], feature_dim:
 # -------------------------------------------------------------------------------------------------- plan
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def plan_epoch(index: CacheIndex, epoch: int, seed: int, batch_tokens: int, world_size: int = 1,
-               pad_multiple: int = DEFAULT_PAD_MULTIPLE, sort_window: int = SORT_WINDOW) -> list[list[Sample]]:
+               rule: AnchorRule | None = None) -> list[list[Sample]]:
     """The global list of micro-batches of one epoch (every rank computes the same list).
 
-    A micro-batch's padded size, round_up(max length, pad_multiple) * count, stays within `batch_tokens`; a
-    sample longer than that forms a micro-batch alone. The list is truncated to a multiple of `world_size`;
-    micro-batch i belongs to rank i % world_size (see `rank_plan`).
-
-    `sort_window` trades padding for randomness of batch composition: with ~30 samples per micro-batch, a window
-    of 64 leaves ~25-35 % of the padded tokens as padding, 256 ~10-15 %, 1024 ~5 % (uniform / log-normal
-    lengths of 256-3072 tokens, 32K-token budget)."""
-    if batch_tokens < 1 or world_size < 1 or pad_multiple < 1 or sort_window < 1:
-        raise ValueError(f"batch_tokens={batch_tokens}, world_size={world_size}, pad_multiple={pad_multiple}, "
-                         f"sort_window={sort_window}")
+    The training samples are shuffled per (seed, epoch) and packed greedily, in that order, into micro-batches whose
+    tokens, context plus blocks (`AnchorRule.cost`; context only without a rule), stay within `batch_tokens`; a
+    sample costlier than that forms a micro-batch alone. The micro-batches are shuffled again and the list is
+    truncated to a multiple of `world_size`; micro-batch i belongs to rank i % world_size (see `rank_plan`). Packing
+    leaves no padding to minimise, so lengths are not sorted."""
+    if batch_tokens < 1 or world_size < 1:
+        raise ValueError(f"batch_tokens={batch_tokens}, world_size={world_size}")
     samples = index.train
     rng = np.random.default_rng([_check_seed(seed), int(epoch), _PLAN_STREAM])
     order = rng.permutation(len(samples))
-    lengths = index.lengths[~index.is_eval][order]
-    window = np.arange(len(order)) // sort_window
-    order = order[np.lexsort((lengths, window))]  # by length inside each window of shuffled samples
+    train = ~index.is_eval
+    lengths, candidates = index.lengths[train], index.candidates[train]
+    costs = rule.cost(lengths, candidates) if rule is not None else lengths.astype(np.int64)
     batches: list[list[Sample]] = []
     current: list[Sample] = []
-    longest = 0
+    filled = 0
     for position in order.tolist():
-        sample = samples[position]
-        width = _round_up(max(longest, sample.length), pad_multiple)
-        if current and width * (len(current) + 1) > batch_tokens:
+        cost = int(costs[position])
+        if current and filled + cost > batch_tokens:
             batches.append(current)
-            current, longest = [], 0
-        current.append(sample)
-        longest = max(longest, sample.length)
+            current, filled = [], 0
+        current.append(samples[position])
+        filled += cost
     if current:
         batches.append(current)
     batches = [batches[i] for i in rng.permutation(len(batches))]
@@ -427,27 +452,29 @@ def _empty_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> T
 
 
 class CacheBatches(IterableDataset):
-    """The micro-batches of one rank's plan, from position `start` on, as dicts of CPU tensors.
+    """The micro-batches of one rank's plan, from position `start` on, as packed dicts of CPU tensors.
 
-    Each item: features [B, S_pad, D] as the cache's codec stores them (zero padding; `FeatureCodec.transport`:
-    bf16 as bfloat16, fp8 as uint8 bits) and, for a scaled codec, feature_scales float32 [B, S_pad, L]; the trainer
-    decodes them on its device (`FeatureCodec.decode`), so that only the stored bytes cross to the GPU;
-    input_ids long [B, S_pad], loss_mask bool [B, S_pad],
-    lengths long [B], anchors long [B, A] and anchor_valid bool [B, A] with A = max_anchors always, sample_keys
-    long [B, 2] (shard, row) and position (int: the micro-batch's index in this rank's plan).
-    S_pad = max length rounded up to pad_multiple.
+    Each item packs its B sequences back to back on one flat axis of C = `bucket`(total length) positions (the tail
+    is zero padding): features [C, D] as the cache's codec stores them (`FeatureCodec.transport`: bf16 as
+    bfloat16, fp8 as uint8 bits) and, for a scaled codec, feature_scales float32 [C, L] (the trainer decodes them on
+    its device, so that only the stored bytes cross to the GPU); input_ids long [C], loss_mask bool [C]; lengths
+    long [B] and context_starts long [B] (where each sequence starts on the flat axis); the blocks of every
+    sequence on a second flat axis of N = `bucket`(blocks, 8) entries: block_anchor long [N] (the anchor's position
+    inside its sequence), block_sequence long [N] (index into lengths) and block_valid bool [N] (False for the
+    padding at the end), sequence by sequence with anchors sorted; sample_keys long [B, 2] (shard, row) and
+    position (int: the micro-batch's index in this rank's plan). Anchors: `sample_anchors` with `rule`.
     """
 
     def __init__(self, cache_dir: Path | str, plan: Sequence[Sequence[Sample]], start: int = 0, *, epoch: int,
-                 seed: int, max_anchors: int = DEFAULT_MAX_ANCHORS, block_size: int = DEFAULT_BLOCK_SIZE,
-                 pad_multiple: int = DEFAULT_PAD_MULTIPLE) -> None:
+                 seed: int, rule: AnchorRule | None = None, bucket_multiple: int = DEFAULT_BUCKET_MULTIPLE) -> None:
         super().__init__()
         if not 0 <= start <= len(plan):
             raise ValueError(f"start={start} outside 0..{len(plan)}")
         self.cache_dir = Path(cache_dir).resolve()
         self.epoch, self.seed = int(epoch), _check_seed(seed)
         self.start = int(start)
-        self.max_anchors, self.block_size, self.pad_multiple = int(max_anchors), int(block_size), int(pad_multiple)
+        self.rule = rule if rule is not None else AnchorRule()
+        self.bucket_multiple = int(bucket_multiple)
         self.codec = manifest_codec(cf.read_manifest(self.cache_dir))
         # Compact arrays instead of Python objects: cheap to pickle into spawned workers.
         sizes = np.array([len(batch) for batch in plan], dtype=np.int64)
@@ -484,50 +511,92 @@ class CacheBatches(IterableDataset):
     def batch(self, position: int) -> dict[str, Any]:
         """Micro-batch `position` of the plan (random access; iteration uses the same function)."""
         rows = self._samples[self._bounds[position] : self._bounds[position + 1]]
-        count = len(rows)
-        width = _round_up(int(rows[:, 2].max()), self.pad_multiple)
+        lengths = rows[:, 2].copy()
+        starts = np.cumsum(lengths) - lengths
+        total = int(lengths.sum())
+        width = bucket(total, self.bucket_multiple)
         first = self._store(int(rows[0, 0]))
         dim = int(first.features.shape[1])
         shared = get_worker_info() is not None
         columns = int(first.feature_scales.shape[1]) if self.codec.scaled else 0
         stored_dtype = torch.from_numpy(np.zeros(0, self.codec.stored_dtype)).dtype
-        features = _empty_tensor((count, width, dim), stored_dtype, shared)
+        features = _empty_tensor((width, dim), stored_dtype, shared)
         feature_bits = features.numpy()  # the same memory, as numpy for zarr to read into
-        scales = _empty_tensor((count, width, columns), torch.float32, shared) if columns else None
-        input_ids = np.zeros((count, width), dtype=np.int32)
-        loss_mask = np.zeros((count, width), dtype=np.uint8)
-        anchors = np.zeros((count, self.max_anchors), dtype=np.int64)
-        anchor_valid = np.zeros((count, self.max_anchors), dtype=bool)
-        for b, (shard, row, length) in enumerate(rows.tolist()):
+        scales = _empty_tensor((width, columns), torch.float32, shared) if columns else None
+        input_ids = np.zeros(width, dtype=np.int32)
+        loss_mask = np.zeros(width, dtype=np.uint8)
+        anchors: list[np.ndarray] = []
+        for (shard, row, length), begin in zip(rows.tolist(), starts.tolist()):
             store = self._store(shard)
             start, end = store.bounds(row, length, self.cache_dir)
             try:
-                _read_into(store.features, start, end, feature_bits[b, :length])
+                _read_into(store.features, start, end, feature_bits[begin : begin + length])
                 if scales is not None:
-                    _read_into(store.feature_scales, start, end, scales.numpy()[b, :length])
-                    scales.numpy()[b, length:] = 0
-                _read_into(store.input_ids, start, end, input_ids[b, :length])
-                _read_into(store.loss_mask, start, end, loss_mask[b, :length])
+                    _read_into(store.feature_scales, start, end, scales.numpy()[begin : begin + length])
+                _read_into(store.input_ids, start, end, input_ids[begin : begin + length])
+                _read_into(store.loss_mask, start, end, loss_mask[begin : begin + length])
             except Exception as error:  # noqa: BLE001 - a checksum failure or a vanished file
                 raise _shard_error(self.cache_dir, shard,
                                    f"could not be read at sample {row} ({type(error).__name__}: {error})") from error
-            feature_bits[b, length:] = 0
-            chosen = sample_anchors(loss_mask[b, :length], self.max_anchors, self.seed, self.epoch, shard, row)
-            anchors[b, : len(chosen)] = chosen
-            anchor_valid[b, : len(chosen)] = True
+            anchors.append(sample_anchors(loss_mask[begin : begin + length], self.rule, self.seed, self.epoch,
+                                          shard, row))
+        feature_bits[total:] = 0
+        if scales is not None:
+            scales.numpy()[total:] = 0
+        counts = np.array([len(a) for a in anchors], dtype=np.int64)
+        blocks = int(counts.sum())
+        num_blocks = bucket(blocks, 8)
+        block_anchor = np.zeros(num_blocks, dtype=np.int64)
+        block_sequence = np.zeros(num_blocks, dtype=np.int64)
+        if blocks:
+            block_anchor[:blocks] = np.concatenate(anchors)
+            block_sequence[:blocks] = np.repeat(np.arange(len(rows)), counts)
         batch: dict[str, Any] = {
             "features": self.codec.transport(features),
             "input_ids": torch.from_numpy(input_ids).long(),
             "loss_mask": torch.from_numpy(loss_mask).bool(),
-            "lengths": torch.from_numpy(rows[:, 2].copy()),
-            "anchors": torch.from_numpy(anchors),
-            "anchor_valid": torch.from_numpy(anchor_valid),
+            "lengths": torch.from_numpy(lengths),
+            "context_starts": torch.from_numpy(starts),
+            "block_anchor": torch.from_numpy(block_anchor),
+            "block_sequence": torch.from_numpy(block_sequence),
+            "block_valid": torch.from_numpy(np.arange(num_blocks) < blocks),
             "sample_keys": torch.from_numpy(rows[:, :2].copy()),
             "position": position,
         }
         if scales is not None:
             batch["feature_scales"] = scales
         return batch
+
+
+def packed_layout(batch: dict[str, Any], block_size: int) -> PackedLayout:
+    """The `PackedLayout` of a packed batch from `CacheBatches` (on the batch's device)."""
+    lengths, starts = batch["lengths"], batch["context_starts"]
+    width = int(batch["input_ids"].shape[0])
+    positions = torch.arange(width, device=lengths.device)
+    sequence_of = torch.bucketize(positions, starts[1:], right=True) if len(starts) > 1 else torch.zeros_like(positions)
+    inside = positions < (starts[-1] + lengths[-1])
+    context_positions = torch.where(inside, positions - starts[sequence_of], torch.zeros_like(positions))
+    return PackedLayout(block_anchor=batch["block_anchor"], block_context_start=starts[batch["block_sequence"]],
+                        block_valid=batch["block_valid"], context_positions=context_positions, context_len=width,
+                        block_size=block_size)
+
+
+def packed_block_labels(batch: dict[str, Any], layout: PackedLayout, mask_token_id: int) -> tuple[Tensor, Tensor]:
+    """Labels and block inputs of the DFlash objective for a packed batch: labels [1, N, Bk] long, the token at
+    position p + k of the block's own sequence for k >= 1 where that position exists and is supervised, else -100;
+    block inputs [1, N, Bk] long, [token at p, MASK, ...] (all MASK for a padding block)."""
+    bk = layout.block_size
+    offsets = torch.arange(bk, device=layout.device)
+    ends = (batch["context_starts"] + batch["lengths"])[batch["block_sequence"]]  # one past each block's sequence
+    flat = layout.block_context_start[:, None] + layout.block_anchor[:, None] + offsets  # [N, Bk]
+    inside = (flat < ends[:, None]) & layout.block_valid[:, None]
+    at = flat.clamp(max=layout.context_len - 1)
+    tokens = batch["input_ids"][at]
+    keep = inside & batch["loss_mask"][at] & (offsets >= 1)
+    labels = torch.where(keep, tokens, torch.full_like(tokens, IGNORE_INDEX))
+    block_ids = torch.full_like(tokens, int(mask_token_id))
+    block_ids[:, 0] = torch.where(layout.block_valid, tokens[:, 0], torch.full_like(tokens[:, 0], int(mask_token_id)))
+    return labels[None], block_ids[None]
 
 
 def make_loader(dataset: CacheBatches, num_workers: int, *, prefetch_factor: int = 2,

@@ -36,11 +36,16 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from dflash.stage2_train.attention_masks import (
     AnchorLayout,
     GroupedMask,
+    PackedGroups,
+    PackedLayout,
     batch_dense_mask,
     blocks_per_group,
     dense_to_block_mask,
     grouped_dense_mask,
     make_block_mask,
+    make_packed_block_mask,
+    packed_dense_mask,
+    packed_groups,
     window_dense_mask,
 )
 
@@ -48,11 +53,12 @@ AttnImplementation = Literal["auto", "eager", "sdpa", "flex"]
 FLEX_MIN_HIDDEN_SIZE = 2048  # `auto` uses flex_attention on CUDA from this drafter width on (see `_backend`)
 # What `DFlashDraftModel.forward` accepts as `attention_mask`:
 #   None          -> every query sees every key (inference layout: context = all positions < start, one block);
-#   AnchorLayout  -> the DFlash training mask (see attention_masks.py);
+#   AnchorLayout  -> the DFlash training mask over B padded sequences (see attention_masks.py);
+#   PackedLayout  -> the same rule with the blocks of every sequence on one flat axis (batch 1; training);
 #   Tensor        -> explicit boolean mask [B, Q, C + Q] or [B, 1, Q, C + Q] (True = attend);
 #   BlockMask     -> a prebuilt flex mask (flex backend, full-attention layers only).
-MaskSpec = Union[None, AnchorLayout, Tensor, BlockMask]
-PreparedMask = Union[None, Tensor, BlockMask, GroupedMask]
+MaskSpec = Union[None, AnchorLayout, PackedLayout, Tensor, BlockMask]
+PreparedMask = Union[None, Tensor, BlockMask, GroupedMask, PackedGroups]
 
 
 # ---------------------------------------------------------------------------
@@ -284,6 +290,27 @@ def grouped_attention(
     return out.unflatten(0, (batch, num_groups)).transpose(1, 2).flatten(2, 3)
 
 
+def packed_grouped_attention(
+    attend: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, groups: PackedGroups, scaling: float
+) -> Tensor:
+    """`attend` run per group of blocks of a packed layout (see `PackedGroups`): q [1, H, N * Bk, D], k/v
+    [1, H_kv, C + N * Bk, D] -> [1, H, N * Bk, D]. Each group's keys are its window of the flat context (gathered)
+    followed by its own blocks, KV heads expanded; autograd scatters the context's gradient back over the windows.
+    Written by hand for the reason `grouped_attention` is: SDPA has no block sparsity."""
+    _, heads, q_len, dim = q.shape
+    kv_heads, ctx_len = k.shape[1], k.shape[2] - q_len
+    num_groups, group = groups.mask.shape[0], groups.queries_per_group
+
+    def keys_per_group(x: Tensor) -> Tensor:  # [1, H_kv, C + N * Bk, D] -> [n, H, W + G, D]
+        context = x[0][:, groups.context_index]  # [H_kv, n, W, D]
+        blocks = x[0, :, ctx_len:].unflatten(1, (num_groups, group))  # [H_kv, n, G, D]
+        return repeat_kv(torch.cat([context, blocks], dim=2).transpose(0, 1), heads // kv_heads)
+
+    queries = q[0].unflatten(1, (num_groups, group)).transpose(0, 1)  # [n, H, G, D]
+    out = attend(queries, keys_per_group(k), keys_per_group(v), groups.mask, scaling)
+    return out.transpose(0, 1).flatten(1, 2)[None]
+
+
 _compiled_flex_attention: Callable[..., Tensor] | None = None
 
 
@@ -354,6 +381,8 @@ class DFlashAttention(nn.Module):
         attend = ATTENTION_BACKENDS[backend]
         if isinstance(mask, GroupedMask):
             out = grouped_attention(attend, q, k, v, mask, self.scaling)
+        elif isinstance(mask, PackedGroups):
+            out = packed_grouped_attention(attend, q, k, v, mask, self.scaling)
         else:
             out = attend(q, k, v, mask, self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
@@ -462,6 +491,12 @@ class DFlashDraftModel(nn.Module):
             if backend != "flex" or window is not None:
                 raise ValueError("a BlockMask needs attn_implementation='flex' and full-attention layers")
             return spec
+        if isinstance(spec, PackedLayout):
+            if backend == "flex":
+                return make_packed_block_mask(spec, window)
+            if backend == "sdpa":
+                return packed_groups(spec, window)
+            return packed_dense_mask(spec, window)[:, None]  # eager: the whole mask
         if isinstance(spec, AnchorLayout):
             if backend == "flex":
                 return make_block_mask(spec, window)

@@ -1,7 +1,7 @@
 """The training objective: what the loop minimises for one micro-batch, chosen with `dflash train --loss`.
 
-An objective takes the drafter's final hidden states of the micro-batch's blocks [B, A * Bk, H], the frozen LM head
-[V, H], the micro-batch (labels [B, A, Bk] with -100 where nothing is supervised, and whatever else the cache
+An objective takes the drafter's final hidden states of the micro-batch's blocks [1, N * Bk, H], the frozen LM head
+[V, H], the micro-batch (labels [1, N, Bk] with -100 where nothing is supervised, and whatever else the cache
 provides), the weight of each block offset [Bk], and the weight sum of the whole global step (all processes and
 accumulation steps, so that the update does not depend on how the global batch is split). It returns the loss of
 this micro-batch, already divided by that sum, and its statistics (at least `correct_by_position` and
@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where it is used: `dflash train --help` lists OBJECTIVES without it
     from torch import Tensor
 
-    from dflash.stage2_train.attention_masks import AnchorLayout
+    from dflash.stage2_train.attention_masks import PackedLayout
 
 
 @dataclass
 class MicroBatch:
     """One micro-batch on the training device, as the loop hands it to the drafter and the objective."""
 
-    features: Tensor  # [B, S, D] the target's context features, decoded, in the compute dtype
-    block_ids: Tensor  # [B, A, Bk] block inputs: [anchor token, MASK, ...]
-    labels: Tensor  # [B, A, Bk] the target's tokens at offsets 1..Bk-1, -100 where not supervised
-    layout: AnchorLayout  # where the blocks sit, for the attention masks and positions
+    features: Tensor  # [1, C, D] the packed context features of its sequences, decoded, in the compute dtype
+    block_ids: Tensor  # [1, N, Bk] block inputs: [anchor token, MASK, ...]
+    labels: Tensor  # [1, N, Bk] the target's tokens at offsets 1..Bk-1, -100 where not supervised
+    layout: PackedLayout  # where the sequences and their blocks sit, for the attention masks and positions
 
 
 # (hidden, lm_head, micro-batch, position weights, global weight sum) -> (loss, stats)

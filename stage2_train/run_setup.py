@@ -20,48 +20,20 @@ from dflash.shared.errors import UserError
 from dflash.shared.feature_codecs import FeatureCodec, manifest_codec
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.run_files import BEST_RECORD_FILE, CONFIG_FILE, RunFiles
-from dflash.stage2_train.data import CacheBatches, CacheIndex, make_loader, plan_epoch
+from dflash.stage2_train.data import (
+    AnchorRule,
+    CacheBatches,
+    CacheIndex,
+    make_loader,
+    plan_epoch,
+)
 from dflash.stage2_train.draft_model import DFlashConfig, DFlashDecoderLayer, DFlashDraftModel, config_from_target
 from dflash.stage2_train.loss import default_gamma, position_weights
 from dflash.stage2_train.objective import OBJECTIVES, Objective
+from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.target_parts import TargetParts, load_target_parts, resolve_mask_token
 
 log = get_logger(__name__)
-
-
-@dataclass
-class TrainOptions:
-    cache: Path
-    out: Path
-    epochs: int = 1
-    max_steps: int | None = None
-    draft_layers: int | None = None
-    block_size: int = 16
-    sliding_window: int | None = None
-    mask_token_id: int | None = None
-    loss: str = "ce"
-    lr: float = 6e-4
-    warmup: float = 0.04
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    batch_tokens: int = 8192
-    grad_accum: int = 1
-    max_anchors: int = 512
-    gamma: float | None = None
-    eval_fraction: float = 0.05
-    eval_every: int = 200
-    eval_sequences: int = 16
-    checkpoint_every: int = 500
-    resume: bool = False
-    init_from: Path | None = None
-    seed: int = 0
-    attention: str = "auto"
-    compile: bool = False
-    fsdp: bool = False
-    mixed_precision: str = "auto"
-    num_workers: int = 2
-    log_every: int = 10
-    verbose: bool = False
 
 
 @dataclass
@@ -101,7 +73,7 @@ class TrainingRun:
     embed: torch.Tensor  # frozen, on the device, in the compute dtype
     lm_head: torch.Tensor
     position_weights: torch.Tensor  # [block_size] loss weight per block offset
-    pad_multiple: int
+    bucket_multiple: int  # packed lengths are rounded up to a multiple of at least this (`data.bucket`)
     steps_per_epoch: int
     total_steps: int
     state: TrainState = field(default_factory=TrainState)
@@ -110,6 +82,10 @@ class TrainingRun:
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
+
+    @property
+    def anchor_rule(self) -> AnchorRule:
+        return AnchorRule(self.options.anchor_density or None, self.options.max_anchors, self.options.block_size)
 
     @property
     def world(self) -> int:
@@ -126,7 +102,7 @@ class TrainingRun:
     def plan(self, epoch: int) -> list[Any]:
         """The global micro-batch plan of an epoch (the same on every rank)."""
         return plan_epoch(self.index, epoch, self.options.seed, self.options.batch_tokens, self.world,
-                          self.pad_multiple)
+                          self.anchor_rule)
 
     def steps_in_epoch(self, epoch: int, plan: list[Any] | None = None) -> int:
         return len(plan if plan is not None else self.plan(epoch)) // (self.world * self.options.grad_accum)
@@ -135,8 +111,7 @@ class TrainingRun:
         """This rank's micro-batches of `epoch` from plan position `position` on (CPU tensors)."""
         plan = plan if plan is not None else self.plan(epoch)
         dataset = CacheBatches(self.cache, plan[self.rank :: self.world], start=position, epoch=epoch,
-                               seed=self.options.seed, max_anchors=self.options.max_anchors,
-                               block_size=self.options.block_size, pad_multiple=self.pad_multiple)
+                               seed=self.options.seed, rule=self.anchor_rule, bucket_multiple=self.bucket_multiple)
         return make_loader(dataset, self.options.num_workers)
 
     def whole_drafter(self) -> DFlashDraftModel | None:
@@ -188,12 +163,13 @@ def setup_run(options: TrainOptions) -> TrainingRun:
         embed=parts.embed_tokens.to(device, compute_dtype), lm_head=parts.lm_head.to(device, compute_dtype),
         position_weights=position_weights(options.block_size, options.gamma or default_gamma(options.block_size),
                                           device=device),
-        pad_multiple=128 if device.type == "cuda" else 16, steps_per_epoch=0, total_steps=0)
+        bucket_multiple=128 if device.type == "cuda" else 16, steps_per_epoch=0, total_steps=0)
     # Each epoch packs a new shuffle into token-budget micro-batches, so epochs differ in step count.
     run.steps_per_epoch = run.steps_in_epoch(0)
     if run.steps_per_epoch == 0:
         raise UserError(f"the cache holds too few training samples for one step of {run.world} x "
-                        f"{options.grad_accum} micro-batches of {options.batch_tokens} tokens")
+                        f"{options.grad_accum} micro-batches of {options.batch_tokens} tokens: lower --batch-tokens "
+                        "or --grad-accum")
     run.total_steps = options.max_steps or sum(run.steps_in_epoch(e) for e in range(options.epochs))
     make_optimizer(run)
     if options.compile:

@@ -24,9 +24,8 @@ from torch import Tensor
 from dflash.shared.logs import get_logger
 from dflash.shared.run_files import BEST_RECORD_FILE
 from dflash.stage2_train.acceptance import offline_acceptance
-from dflash.stage2_train.attention_masks import AnchorLayout
 from dflash.stage2_train.checkpoints import has_checkpoint, save_checkpoint
-from dflash.stage2_train.data import block_labels, eval_sequences
+from dflash.stage2_train.data import eval_sequences, packed_block_labels, packed_layout
 from dflash.stage2_train.draft_model import DFlashDraftModel
 from dflash.stage2_train.export import export_draft
 from dflash.stage2_train.loss import weight_sum
@@ -105,25 +104,18 @@ def step_batches(run: TrainingRun) -> Iterator[list[dict[str, Any]]]:
 
 def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
                        feature_transform: FeatureTransform | None = None) -> MicroBatch:
-    """A loader batch (CPU) -> the micro-batch on the device: features decoded there (after a copy of the stored
-    bytes only), block inputs and labels built."""
+    """A packed loader batch (CPU) -> the micro-batch on the device: layout and labels built on the CPU, features
+    decoded on the device (after a copy of the stored bytes only)."""
     device = run.device
-    labels, block_ids = block_labels(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["anchor_valid"],
-                                     batch["lengths"], run.options.block_size, run.mask_token_id)
-    layout = AnchorLayout(
-        anchors=batch["anchors"].to(device, non_blocking=True),
-        anchor_valid=batch["anchor_valid"].to(device, non_blocking=True),
-        context_lengths=batch["lengths"].to(device, non_blocking=True),
-        context_len=int(batch["features"].shape[1]),
-        block_size=run.options.block_size,
-    )
+    layout = packed_layout(batch, run.options.block_size)
+    labels, block_ids = packed_block_labels(batch, layout, run.mask_token_id)
     scales = batch.get("feature_scales")
     features = run.codec.decode(batch["features"].to(device, non_blocking=True),
                                 None if scales is None else scales.to(device, non_blocking=True), run.compute_dtype)
     if feature_transform is not None:
         features = feature_transform(features)
-    return MicroBatch(features=features, block_ids=block_ids.to(device, non_blocking=True),
-                      labels=labels.to(device, non_blocking=True), layout=layout)
+    return MicroBatch(features=features[None], block_ids=block_ids.to(device, non_blocking=True),
+                      labels=labels.to(device, non_blocking=True), layout=layout.to(device, non_blocking=True))
 
 
 def forward_loss(run: TrainingRun, micro: MicroBatch, global_weight_sum: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -154,7 +146,7 @@ def train_step(run: TrainingRun, micro_batches: list[MicroBatch]) -> dict[str, A
         step_loss += loss.detach()
         correct += stats["correct_by_position"].float()
         counted += stats["count_by_position"].float()
-        block_tokens += int(micro.layout.anchor_valid.sum()) * options.block_size
+        block_tokens += int(micro.layout.block_valid.sum()) * options.block_size
     if options.clip:
         accelerator.clip_grad_norm_(run.model.parameters(), options.clip)
     run.optimizer.step()

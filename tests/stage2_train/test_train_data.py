@@ -18,7 +18,17 @@ from dflash.shared import cache_format as cf
 from dflash.shared.feature_codecs import BF16, bf16_view
 from dflash.stage1_extract.shard_writer import FeatureShardWriter
 from dflash.stage2_train import data as td
-from dflash.stage2_train.data import CacheBatches, CacheError, CacheIndex, Sample, block_labels, plan_epoch, rank_plan
+from dflash.stage2_train.data import (
+    AnchorRule,
+    CacheBatches,
+    CacheError,
+    CacheIndex,
+    Sample,
+    block_labels,
+    plan_epoch,
+    rank_plan,
+    sample_anchors,
+)
 
 DIM = 48
 PAD = 16
@@ -133,7 +143,8 @@ def collect(dataset: CacheBatches, num_workers: int) -> list[dict]:
 
 
 def same_batch(a: dict, b: dict) -> bool:
-    keys = ("input_ids", "loss_mask", "lengths", "anchors", "anchor_valid", "sample_keys", "labels", "block_input_ids")
+    keys = ("input_ids", "loss_mask", "lengths", "context_starts", "block_anchor", "block_sequence", "block_valid",
+            "sample_keys")
     return (a["position"] == b["position"] and a.keys() == b.keys()
             and all(torch.equal(a[k], b[k]) for k in keys if k in a)
             and torch.equal(a["features"].view(torch.int16), b["features"].view(torch.int16)))
@@ -181,24 +192,25 @@ def test_split_is_disjoint_deterministic_and_independent_of_sharding(cache: Path
 
 def test_plan_covers_each_train_sample_once_within_the_token_budget(index: CacheIndex) -> None:
     budget = 640
-    plan = plan_epoch(index, epoch=0, seed=1, batch_tokens=budget, world_size=1, pad_multiple=PAD)
+    plan = plan_epoch(index, epoch=0, seed=1, batch_tokens=budget, world_size=1)
     assert Counter(s for batch in plan for s in batch) == Counter(index.train)
     for batch in plan:
-        width = -(-max(s.length for s in batch) // PAD) * PAD
-        assert width * len(batch) <= budget or len(batch) == 1
-    assert plan == plan_epoch(index, epoch=0, seed=1, batch_tokens=budget, world_size=1, pad_multiple=PAD)
-    assert plan != plan_epoch(index, epoch=1, seed=1, batch_tokens=budget, world_size=1, pad_multiple=PAD)
-    # Sorted over the whole epoch, micro-batches would come longest last; their order is shuffled.
-    whole = plan_epoch(index, epoch=0, seed=1, batch_tokens=budget, pad_multiple=PAD, sort_window=10**6)
-    assert Counter(s for batch in whole for s in batch) == Counter(index.train)
-    widths = [max(s.length for s in batch) for batch in whole]
-    assert widths != sorted(widths)
+        assert sum(s.length for s in batch) <= budget or len(batch) == 1
+    assert plan == plan_epoch(index, epoch=0, seed=1, batch_tokens=budget, world_size=1)
+    assert plan != plan_epoch(index, epoch=1, seed=1, batch_tokens=budget, world_size=1)
+    # With an anchor rule a sample costs its context plus its blocks.
+    rule = AnchorRule(density=0.25, max_anchors=6, block_size=4)
+    with_blocks = plan_epoch(index, epoch=0, seed=1, batch_tokens=budget, rule=rule)
+    assert Counter(s for batch in with_blocks for s in batch) == Counter(index.train)
+    for batch in with_blocks:
+        cost = sum(s.length + int(rule.count(s.n_anchor_candidates)) * 4 for s in batch)
+        assert cost <= budget or len(batch) == 1
     # A budget below the longest sample: that sample forms a micro-batch alone.
-    small = plan_epoch(index, epoch=0, seed=1, batch_tokens=64, world_size=1, pad_multiple=PAD)
+    small = plan_epoch(index, epoch=0, seed=1, batch_tokens=64, world_size=1)
     assert all(len(b) == 1 for b in small if b[0].length > 64)
     # Several ranks: a multiple of world_size micro-batches; only the remainder is left out.
     for world_size in (2, 3, 5):
-        truncated = plan_epoch(index, epoch=0, seed=1, batch_tokens=budget, world_size=world_size, pad_multiple=PAD)
+        truncated = plan_epoch(index, epoch=0, seed=1, batch_tokens=budget, world_size=world_size)
         assert len(truncated) % world_size == 0 and len(plan) - len(truncated) < world_size
         assert truncated == plan[: len(truncated)]
         covered = Counter(s for batch in truncated for s in batch)
@@ -207,13 +219,13 @@ def test_plan_covers_each_train_sample_once_within_the_token_budget(index: Cache
 
 
 def test_two_ranks_see_the_global_steps_of_one_process(cache: Path, index: CacheIndex) -> None:
-    single = plan_epoch(index, epoch=2, seed=5, batch_tokens=700, world_size=1, pad_multiple=PAD)
-    global_plan = plan_epoch(index, epoch=2, seed=5, batch_tokens=700, world_size=2, pad_multiple=PAD)
+    single = plan_epoch(index, epoch=2, seed=5, batch_tokens=700, world_size=1)
+    global_plan = plan_epoch(index, epoch=2, seed=5, batch_tokens=700, world_size=2)
     ranks = [rank_plan(global_plan, rank, 2) for rank in range(2)]
     interleaved = [ranks[i % 2][i // 2] for i in range(len(global_plan))]
     assert interleaved == single[: len(interleaved)]
     # The tensors too: micro-batch j of rank r is micro-batch 2 j + r of the single process.
-    options = {"epoch": 2, "seed": 5, "max_anchors": 8, "block_size": 4, "pad_multiple": PAD}
+    options = {"epoch": 2, "seed": 5, "rule": AnchorRule(None, 8, 4), "bucket_multiple": PAD}
     one = collect(CacheBatches(cache, single, **options), 0)
     for rank in range(2):
         for item in collect(CacheBatches(cache, ranks[rank], **options), 0):
@@ -226,7 +238,7 @@ def test_two_ranks_see_the_global_steps_of_one_process(cache: Path, index: Cache
 
 @pytest.fixture(scope="module")
 def epoch_plan(index: CacheIndex) -> list[list[Sample]]:
-    return plan_epoch(index, epoch=0, seed=1, batch_tokens=640, world_size=1, pad_multiple=PAD)
+    return plan_epoch(index, epoch=0, seed=1, batch_tokens=640, world_size=1)
 
 
 def test_batches_hold_the_stored_rows_bit_exactly(cache: Path, epoch_plan: list[list[Sample]],
@@ -235,39 +247,49 @@ def test_batches_hold_the_stored_rows_bit_exactly(cache: Path, epoch_plan: list[
     empty = td._empty_tensor
     monkeypatch.setattr(td, "_empty_tensor",  # dirty memory: every padding byte must be written
                         lambda shape, dtype, shared: empty(shape, dtype, shared).fill_(255))
-    dataset = CacheBatches(cache, epoch_plan, epoch=0, seed=1, max_anchors=16, block_size=4, pad_multiple=PAD)
+    dataset = CacheBatches(cache, epoch_plan, epoch=0, seed=1, rule=AnchorRule(0.3, 16, 4), bucket_multiple=PAD)
     items = collect(dataset, 0)
     assert [item["position"] for item in items] == list(range(len(epoch_plan)))
     for item, batch in zip(items, epoch_plan):
-        count, width = len(batch), item["features"].shape[1]
-        assert width % PAD == 0 and width == -(-max(s.length for s in batch) // PAD) * PAD
-        assert item["features"].dtype == torch.bfloat16 and item["features"].shape == (count, width, DIM)
+        total = sum(s.length for s in batch)
+        width = item["features"].shape[0]
+        assert width == td.bucket(total, PAD) and width % PAD == 0 and width - total < max(PAD, total / 16)
+        assert item["features"].dtype == torch.bfloat16 and item["features"].shape == (width, DIM)
         assert item["input_ids"].dtype == torch.long and item["loss_mask"].dtype == torch.bool
-        assert item["anchors"].shape == item["anchor_valid"].shape == (count, 16)
         assert item["sample_keys"].tolist() == [[s.shard, s.row] for s in batch]
         assert item["lengths"].tolist() == [s.length for s in batch]
+        assert item["context_starts"].tolist() == np.concatenate([[0], np.cumsum(item["lengths"])[:-1]]).tolist()
+        assert not item["features"][total:].view(torch.int16).any()  # zero padding, exactly
+        assert not item["input_ids"][total:].any() and not item["loss_mask"][total:].any()
         for b, sample in enumerate(batch):
             reference, length = stored[(sample.shard, sample.row)], sample.length
-            assert torch.equal(item["features"][b, :length].view(torch.int16), reference["features"].view(torch.int16))
-            assert not item["features"][b, length:].view(torch.int16).any()  # zero padding, exactly
-            assert item["input_ids"][b, :length].tolist() == reference["input_ids"].tolist()
-            assert item["loss_mask"][b, :length].tolist() == reference["loss_mask"].astype(bool).tolist()
-            assert not item["input_ids"][b, length:].any() and not item["loss_mask"][b, length:].any()
+            begin = int(item["context_starts"][b])
+            rows = slice(begin, begin + length)
+            assert torch.equal(item["features"][rows].view(torch.int16), reference["features"].view(torch.int16))
+            assert item["input_ids"][rows].tolist() == reference["input_ids"].tolist()
+            assert item["loss_mask"][rows].tolist() == reference["loss_mask"].astype(bool).tolist()
+        # Blocks: sequence after sequence, no padding between them, the bucket's padding at the end.
+        valid = item["block_valid"]
+        blocks = int(valid.sum())
+        assert valid.tolist() == [True] * blocks + [False] * (len(valid) - blocks)
+        assert len(valid) == td.bucket(blocks, 8)
+        sequence = item["block_sequence"][:blocks]
+        assert bool((sequence[1:] >= sequence[:-1]).all())
+        assert sorted(set(sequence.tolist())) == list(range(len(batch)))  # every sequence has a block
 
 
 def test_anchors_follow_the_rule_and_change_every_epoch(cache: Path, index: CacheIndex) -> None:
     max_anchors = 6
     per_epoch = []
     for epoch in (0, 1):
-        plan = plan_epoch(index, epoch=epoch, seed=1, batch_tokens=640, world_size=1, pad_multiple=PAD)
+        plan = plan_epoch(index, epoch=epoch, seed=1, batch_tokens=640, world_size=1)
         anchors = {}
-        for item in collect(CacheBatches(cache, plan, epoch=epoch, seed=1, max_anchors=max_anchors, block_size=4,
-                                         pad_multiple=PAD), 0):
+        for item in collect(CacheBatches(cache, plan, epoch=epoch, seed=1, rule=AnchorRule(None, max_anchors, 4),
+                                         bucket_multiple=PAD), 0):
             for b, (shard, row) in enumerate(item["sample_keys"].tolist()):
-                mask = item["loss_mask"][b].to(torch.uint8).numpy()[: item["lengths"][b]]
-                valid = item["anchor_valid"][b]
-                chosen = item["anchors"][b][valid].tolist()
-                assert valid.tolist() == [True] * len(chosen) + [False] * (max_anchors - len(chosen))
+                begin, length = int(item["context_starts"][b]), int(item["lengths"][b])
+                mask = item["loss_mask"][begin : begin + length].to(torch.uint8).numpy()
+                chosen = item["block_anchor"][item["block_valid"] & (item["block_sequence"] == b)].tolist()
                 candidates = reference_candidates(mask)
                 assert len(chosen) == min(len(candidates), max_anchors)
                 assert chosen == sorted(set(chosen)) and set(chosen) <= set(candidates)
@@ -282,7 +304,7 @@ def test_anchors_follow_the_rule_and_change_every_epoch(cache: Path, index: Cach
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_loader_order_and_content_do_not_depend_on_workers(cache: Path, epoch_plan: list[list[Sample]]) -> None:
     def dataset() -> CacheBatches:
-        return CacheBatches(cache, epoch_plan, epoch=0, seed=1, max_anchors=8, block_size=4, pad_multiple=PAD)
+        return CacheBatches(cache, epoch_plan, epoch=0, seed=1, rule=AnchorRule(None, 8, 4), bucket_multiple=PAD)
 
     reference = collect(dataset(), 0)
     assert [item["position"] for item in reference] == list(range(len(epoch_plan)))
@@ -298,7 +320,7 @@ def test_loader_order_and_content_do_not_depend_on_workers(cache: Path, epoch_pl
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_resume_yields_exactly_the_tail_without_reading_skipped_features(
         cache: Path, epoch_plan: list[list[Sample]], monkeypatch: pytest.MonkeyPatch) -> None:
-    options = {"epoch": 0, "seed": 1, "max_anchors": 8, "block_size": 4, "pad_multiple": PAD}
+    options = {"epoch": 0, "seed": 1, "rule": AnchorRule(None, 8, 4), "bucket_multiple": PAD}
     full = collect(CacheBatches(cache, epoch_plan, **options), 0)
     start = 5
     reads = []
@@ -445,5 +467,36 @@ def test_damaged_features_fail_in_the_loader_naming_the_shard(cache: Path, tmp_p
             path.write_bytes(bytes(raw))
     for workers in (0, 2):
         with pytest.raises(CacheError) as error:
-            collect(CacheBatches(copy, plan, epoch=0, seed=0, max_anchors=4, block_size=4, pad_multiple=PAD), workers)
+            collect(CacheBatches(copy, plan, epoch=0, seed=0, rule=AnchorRule(None, 4, 4), bucket_multiple=PAD),
+                    workers)
         _assert_names_shard(error, copy.resolve(), 2)
+
+
+# ---------------------------------------------------------------------------------------------- anchors
+
+
+@settings(max_examples=200, deadline=None)
+@given(candidates=st.integers(0, 4000), density=st.one_of(st.none(), st.floats(1e-3, 1.0)),
+       cap=st.integers(1, 600))
+def test_anchor_counts_follow_the_density_and_the_cap(candidates: int, density: float | None, cap: int) -> None:
+    rule = AnchorRule(density, cap, 16)
+    count = int(rule.count(candidates))
+    wanted = candidates if density is None else max(1, -(-int(round(density * candidates * 1e9)) // 10**9))
+    assert count == min(cap, candidates, wanted)
+    assert int(rule.cost(100, candidates)) == 100 + 16 * count
+    # Drawn from a mask with exactly that many candidates: that many distinct sorted candidates, the same draw for
+    # the same (seed, epoch, shard, row) and another one for another epoch.
+    mask = np.ones(candidates + 1, np.uint8)
+    chosen = sample_anchors(mask, rule, 3, 1, 2, 7)
+    assert len(chosen) == count and (np.diff(chosen) > 0).all() and (chosen < candidates).all()
+    assert np.array_equal(chosen, sample_anchors(mask, rule, 3, 1, 2, 7))
+    if 4 <= count <= candidates - 4:
+        assert not np.array_equal(chosen, sample_anchors(mask, rule, 3, 2, 2, 7))
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.integers(0, 10**7), multiple=st.sampled_from([1, 8, 16, 128]))
+def test_buckets_pad_little_and_keep_few_shapes(value: int, multiple: int) -> None:
+    rounded = td.bucket(value, multiple)
+    assert rounded >= value and rounded % multiple == 0
+    assert rounded - value < max(multiple, value / 16 + 1)

@@ -1,0 +1,50 @@
+"""The options of `dflash train` and their defaults, in one place (the CLI shows these defaults; nothing here
+imports torch, so `dflash train --help` stays fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_ANCHORS = 512  # the reference's anchors per sequence; with a density, only a cap
+# Anchors drawn per epoch as a fraction of a sequence's anchor candidates. The reference draws 512 anchors in
+# 3,072-token sequences (about one per 6 positions); on the H200 the SmolLM2 drafter trained best per GPU-second at
+# 64 anchors for ~400-token answers (1/6 of the answer; docs/benchmarks.md).
+DEFAULT_ANCHOR_DENSITY = 1 / 6
+
+
+@dataclass
+class TrainOptions:
+    cache: Path
+    out: Path
+    epochs: int = 1
+    max_steps: int | None = None
+    draft_layers: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    sliding_window: int | None = None
+    mask_token_id: int | None = None
+    loss: str = "ce"
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    batch_tokens: int = 8192
+    grad_accum: int = 1
+    max_anchors: int = DEFAULT_MAX_ANCHORS
+    anchor_density: float | None = DEFAULT_ANCHOR_DENSITY
+    gamma: float | None = None
+    eval_fraction: float = 0.05
+    eval_every: int = 200
+    eval_sequences: int = 16
+    checkpoint_every: int = 500
+    resume: bool = False
+    init_from: Path | None = None
+    seed: int = 0
+    attention: str = "auto"
+    compile: bool = False
+    fsdp: bool = False
+    mixed_precision: str = "auto"
+    num_workers: int = 2
+    log_every: int = 10
+    verbose: bool = False
