@@ -67,6 +67,10 @@ from dflash.stage2_train.options import TrainOptions
               help="Shard the drafter with FSDP instead of DDP (GPUs only; eval and export gather the weights).")
 @click.option("--mixed-precision", type=click.Choice(["auto", "bf16", "no"]), default="auto", show_default=True)
 @click.option("--num-workers", type=click.IntRange(min=0), default=2, show_default=True, help="DataLoader workers.")
+@click.option("--memory-limit", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
+              help="Memory a training step may use, in GiB (default: what the device has free when the run starts). "
+                   "Micro-batches that would not fit are split and accumulated (same result); a sequence that "
+                   "cannot fit alone stops the run before its first step.")
 @click.option("--processes", type=click.IntRange(min=1), default=None,
               help="Training processes to spawn on this machine (default: one per GPU, 1 on CPU). "
                    "`accelerate launch -m dflash.shared.cli train ...` works too.")

@@ -568,6 +568,52 @@ class CacheBatches(IterableDataset):
         return batch
 
 
+def split_packed_batch(batch: dict[str, Any], ranges: Sequence[tuple[int, int]],
+                       bucket_multiple: int = DEFAULT_BUCKET_MULTIPLE) -> list[dict[str, Any]]:
+    """A packed batch from `CacheBatches` cut into the packed batches of the sequence ranges [a, b) (consecutive,
+    covering every sequence): the same samples, anchors and order, re-padded to their own buckets."""
+    if len(ranges) == 1:
+        return [batch]
+    lengths, starts = batch["lengths"], batch["context_starts"]
+    sequence = batch["block_sequence"]
+    valid = batch["block_valid"]
+    parts = []
+    for a, b in ranges:
+        begin, end = int(starts[a]), int(starts[b - 1] + lengths[b - 1])
+        width = bucket(end - begin, bucket_multiple)
+        chosen = valid & (sequence >= a) & (sequence < b)
+        blocks = int(chosen.sum())
+        num_blocks = bucket(blocks, 8)
+
+        def padded(values: Tensor, size: int, fill: int = 0) -> Tensor:
+            out = torch.full((size, *values.shape[1:]), fill, dtype=values.dtype)
+            out[: len(values)] = values
+            return out
+
+        part = {
+            "features": padded(batch["features"][begin:end], width),
+            "input_ids": padded(batch["input_ids"][begin:end], width),
+            "loss_mask": padded(batch["loss_mask"][begin:end], width),
+            "lengths": lengths[a:b].clone(),
+            "context_starts": starts[a:b] - begin,
+            "block_anchor": padded(batch["block_anchor"][chosen], num_blocks),
+            "block_sequence": padded(sequence[chosen] - a, num_blocks),
+            "block_valid": torch.arange(num_blocks) < blocks,
+            "sample_keys": batch["sample_keys"][a:b].clone(),
+            "position": batch["position"],
+        }
+        if "feature_scales" in batch:
+            part["feature_scales"] = padded(batch["feature_scales"][begin:end], width)
+        parts.append(part)
+    return parts
+
+
+def sequence_blocks(batch: dict[str, Any]) -> np.ndarray:
+    """Blocks per sequence of a packed batch."""
+    counts = torch.bincount(batch["block_sequence"][batch["block_valid"]], minlength=len(batch["lengths"]))
+    return counts.numpy()
+
+
 def packed_layout(batch: dict[str, Any], block_size: int) -> PackedLayout:
     """The `PackedLayout` of a packed batch from `CacheBatches` (on the batch's device)."""
     lengths, starts = batch["lengths"], batch["context_starts"]

@@ -46,5 +46,6 @@ class TrainOptions:
     fsdp: bool = False
     mixed_precision: str = "auto"
     num_workers: int = 2
+    memory_limit: float | None = None  # GiB a micro-batch step may use in all (default: what the device has free)
     log_every: int = 10
     verbose: bool = False

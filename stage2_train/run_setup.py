@@ -29,6 +29,7 @@ from dflash.stage2_train.data import (
 )
 from dflash.stage2_train.draft_model import DFlashConfig, DFlashDecoderLayer, DFlashDraftModel, config_from_target
 from dflash.stage2_train.loss import default_gamma, position_weights
+from dflash.stage2_train.memory_plan import GIB, DrafterShape, MemoryPlan, limit_from_option, make_plan, step_bytes
 from dflash.stage2_train.objective import OBJECTIVES, Objective
 from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.target_parts import TargetParts, load_target_parts, resolve_mask_token
@@ -76,6 +77,7 @@ class TrainingRun:
     bucket_multiple: int  # packed lengths are rounded up to a multiple of at least this (`data.bucket`)
     steps_per_epoch: int
     total_steps: int
+    memory: MemoryPlan | None = None  # how micro-batches are split to fit the device (`plan_memory`)
     state: TrainState = field(default_factory=TrainState)
     best_tau: float = -math.inf  # the best held-out walk tau after step 0 (export_best/)
 
@@ -172,6 +174,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
                         "or --grad-accum")
     run.total_steps = options.max_steps or sum(run.steps_in_epoch(e) for e in range(options.epochs))
     make_optimizer(run)
+    run.memory = plan_memory(run)
     if options.compile:
         # Each decoder layer, compiled in place in this process: the mask building stays eager (its data-dependent
         # indexing is cheap and made inductor fail on CPU when the whole drafter was compiled), and weight names,
@@ -282,6 +285,29 @@ def init_from_export(model: DFlashDraftModel, config: DFlashConfig, manifest: di
                         + "\nstart from an export made with the same target and drafter flags")
     load_draft_weights(model, export_dir)  # the config matched: the same shapes, no second drafter built
     log.info("--init-from: starting from the weights of %s", export_dir)
+
+
+def plan_memory(run: TrainingRun) -> MemoryPlan:
+    """The memory plan (memory_plan.py) for this run's micro-batches: refuses a sequence that cannot fit alone, and
+    says how much of the free memory the largest micro-batch of the first epoch's plan will take."""
+    import numpy as np
+
+    trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
+    shape = DrafterShape.of(run.config, trainable, torch.finfo(run.compute_dtype).bits // 8)
+    train = ~run.index.is_eval
+    lengths = run.index.lengths[train]
+    blocks = run.anchor_rule.count(run.index.candidates[train])
+    costliest = int(np.argmax(step_bytes(shape, lengths, blocks)))
+    packs = [(sum(s.length for s in pack), int(run.anchor_rule.count([s.n_anchor_candidates for s in pack]).sum()))
+             for pack in run.plan(run.state.epoch)]
+    largest = max(packs, key=lambda pack: int(step_bytes(shape, *pack)))
+    limit = limit_from_option(run.options.memory_limit, run.device)
+    plan = make_plan(shape, largest, (int(lengths[costliest]), int(blocks[costliest])), limit, str(run.device))
+    split = int(step_bytes(shape, *largest)) > plan.budget_bytes
+    log.info("memory: %.2f GiB free on %s; planned peak %.2f GiB (the largest micro-batch, %d tokens and %d blocks, "
+             "with the optimizer state)%s", limit / GIB, run.device, plan.planned_peak_bytes / GIB, largest[0],
+             largest[1], "; micro-batches that do not fit are split and accumulated" if split else "")
+    return plan
 
 
 def cosine_with_warmup(total_steps: int, warmup_fraction: float) -> Any:

@@ -25,10 +25,17 @@ from dflash.shared.logs import get_logger
 from dflash.shared.run_files import BEST_RECORD_FILE
 from dflash.stage2_train.acceptance import offline_acceptance
 from dflash.stage2_train.checkpoints import has_checkpoint, save_checkpoint
-from dflash.stage2_train.data import eval_sequences, packed_block_labels, packed_layout
+from dflash.stage2_train.data import (
+    eval_sequences,
+    packed_block_labels,
+    packed_layout,
+    sequence_blocks,
+    split_packed_batch,
+)
 from dflash.stage2_train.draft_model import DFlashDraftModel
 from dflash.stage2_train.export import export_draft
 from dflash.stage2_train.loss import weight_sum
+from dflash.stage2_train.memory_plan import GIB, measured_peak_bytes
 from dflash.stage2_train.objective import MicroBatch
 from dflash.stage2_train.run_setup import TrainingRun, TrainOptions, setup_run
 
@@ -54,13 +61,15 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
     window_tokens = 0
     steps = step_batches(run)
     while run.state.step < run.total_steps:
-        micro = [micro_batch_inputs(run, batch, feature_transform) for batch in next(steps)]
+        micro = [part for batch in next(steps) for part in micro_batches(run, batch, feature_transform)]
         record = train_step(run, micro)
+        run.state.position += options.grad_accum
         record["elapsed_s"] = round(time.time() - started, 3)
         window_tokens += record.pop("block_tokens")
         if run.state.step % options.log_every == 0 or run.state.step == run.total_steps:
             elapsed = time.time() - window_start
             record["block_tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
+            record["memory_peak_gib"] = round(measured_peak_bytes(run.device) / GIB, 3)
             remaining = (run.total_steps - run.state.step) * elapsed / max(1, options.log_every)
             log.info("step %d/%d loss %.4f acc %.3f lr %.2e %.0f block tok/s ETA %s", run.state.step,
                      run.total_steps, record["loss"], record["accuracy"], record["lr"],
@@ -76,6 +85,8 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
         from torch._dynamo.utils import counters
 
         log.info("--compile: %d graphs compiled", counters["stats"]["unique_graphs"])
+    log.info("memory: planned peak %.2f GiB, measured %.2f GiB (%s)", run.memory.planned_peak_bytes / GIB,
+             measured_peak_bytes(run.device) / GIB, "CUDA allocated" if run.device.type == "cuda" else "resident set")
     if not has_checkpoint(run):
         save_checkpoint(run)
     whole = run.whole_drafter()  # one gather under FSDP serves the final evaluation and the export
@@ -100,6 +111,16 @@ def step_batches(run: TrainingRun) -> Iterator[list[dict[str, Any]]]:
             yield [next(loader) for _ in range(run.options.grad_accum)]
         run.state.epoch += 1
         run.state.position = 0
+
+
+def micro_batches(run: TrainingRun, batch: dict[str, Any],
+                  feature_transform: FeatureTransform | None = None) -> list[MicroBatch]:
+    """A packed loader batch as the micro-batches of the memory plan: itself, or its sequences split into parts
+    that each fit (accumulated by `train_step` like any other micro-batches of the step)."""
+    assert run.memory is not None
+    ranges = run.memory.parts(batch["lengths"].numpy(), sequence_blocks(batch))
+    return [micro_batch_inputs(run, part, feature_transform)
+            for part in split_packed_batch(batch, ranges, run.bucket_multiple)]
 
 
 def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
@@ -153,7 +174,6 @@ def train_step(run: TrainingRun, micro_batches: list[MicroBatch]) -> dict[str, A
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.state.step += 1
-    run.state.position += len(micro_batches)
     global_loss = accelerator.reduce(step_loss, reduction="sum")
     correct = accelerator.reduce(correct, reduction="sum")
     counted = accelerator.reduce(counted, reduction="sum")

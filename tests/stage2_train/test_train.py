@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from dflash.shared import cache_format as cf
 from dflash.shared.errors import UserError
 from dflash.stage2_train.acceptance import offline_acceptance
-from dflash.stage2_train.data import CacheIndex, eval_sequences, plan_epoch
+from dflash.stage2_train.data import AnchorRule, CacheIndex, eval_sequences, plan_epoch
+from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY
 from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
 from dflash.stage2_train.export import load_draft
 from dflash.stage2_train.target_parts import load_target_parts, resolve_mask_token
@@ -172,8 +173,8 @@ def test_killed_training_resumes_to_the_same_loss_curve(train_cache: Path, tmp_p
 
 
 def test_epochs_of_different_step_counts_train_to_the_end(tmp_path: Path) -> None:
-    # Each epoch packs a new shuffle (in windows of 64 samples) into micro-batches, so a later epoch can hold
-    # fewer micro-batches than the first one. It needs more samples than one window: a cache of 72.
+    # Each epoch packs a new shuffle into micro-batches, so a later epoch can hold fewer micro-batches than the
+    # first one.
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(72)))
     cache = tmp_path / "cache"
@@ -181,7 +182,8 @@ def test_epochs_of_different_step_counts_train_to_the_end(tmp_path: Path) -> Non
                check=True)
     index = CacheIndex.from_cache(cache, 0.05, 0)
     budget, counts = next((b, c) for b in range(2048, 128, -16)
-                          if (c := [len(plan_epoch(index, e, 0, b, 1, 16)) for e in range(3)])[1] < c[0])
+                          if (c := [len(plan_epoch(index, e, 0, b, 1, AnchorRule(DEFAULT_ANCHOR_DENSITY, 2, 16)))
+                                    for e in range(3)])[1] < c[0])
     result = run_dflash("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--epochs", "3",
                         "--batch-tokens", str(budget), "--max-anchors", "2", "--draft-layers", "1",
                         "--eval-every", "0", "--checkpoint-every", "0", "--num-workers", "0",
@@ -331,3 +333,52 @@ def test_train_refuses_a_damaged_cache_naming_the_shard(train_cache: Path, tmp_p
     assert result.returncode == 2
     assert "shard 1" in result.stderr and "--only-shards 1 --overwrite" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_default_flags_train_and_report_the_memory_plan(train_cache: Path, tmp_path: Path) -> None:
+    """`dflash train --cache C --out R` with every flag at its default (steps bounded by --max-steps) trains the
+    5-layer drafter, exports it, and logs its planned and measured memory peaks."""
+    run = tmp_path / "run"
+    result = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--max-steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (run / "train.log").read_text()
+    planned, measured = (float(x) for x in re.search(r"planned peak ([\d.]+) GiB, measured ([\d.]+) GiB", log).groups())
+    assert 0 < measured and 0 < planned
+    config = json.loads((run / "export" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 5 and sorted(_final_losses(run)) == [1, 2]
+
+
+def test_memory_plan_splits_micro_batches_to_the_same_losses_or_refuses(train_cache: Path, tmp_path: Path) -> None:
+    """Under a memory limit between what the longest sequence and the largest micro-batch need, micro-batches are
+    split and accumulated: the same loss curve (float rounding, rel 1e-4); under a limit the longest sequence
+    cannot meet, the run stops before its first step with one line naming the estimate, the limit and the flag."""
+    from dflash.stage2_train import memory_plan as mp
+    from dflash.stage2_train.data import AnchorRule, CacheIndex, plan_epoch
+
+    common = ("--max-steps", "3", "--eval-every", "0", "--checkpoint-every", "0", *TRAIN_ARGS)
+    whole = run_dflash("train", "--cache", str(train_cache), "--out", str(tmp_path / "whole"), *common)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    config = DFlashConfig.from_dict(json.loads((tmp_path / "whole" / "draft_config.json").read_text()))
+    shape = mp.DrafterShape.of(config, sum(p.numel() for p in DFlashDraftModel(config).parameters()), 4)
+    index = CacheIndex.from_cache(train_cache, 0.15, 0)
+    rule = AnchorRule(DEFAULT_ANCHOR_DENSITY, 24, 16)
+    need = lambda samples: int(mp.step_bytes(shape, sum(s.length for s in samples),  # noqa: E731
+                                             int(rule.count([s.n_anchor_candidates for s in samples]).sum())))
+    single = max(need([s]) for s in index.train)
+    largest = max(need(pack) for pack in plan_epoch(index, 0, 0, 768, 1, rule))
+    assert largest > 1.5 * single  # micro-batches of several sequences: there is something to split
+    limit = (mp.fixed_bytes(shape) + mp.SAFETY * 1.2 * single) / mp.GIB
+    split = run_dflash("train", "--cache", str(train_cache), "--out", str(tmp_path / "split"), *common,
+                       "--memory-limit", f"{limit:.6f}")
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert "split and accumulated" in split.stderr
+    expected, got = _final_losses(tmp_path / "whole"), _final_losses(tmp_path / "split")
+    assert sorted(got) == sorted(expected) == [1, 2, 3]
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+    refused = run_dflash("train", "--cache", str(train_cache), "--out", str(tmp_path / "refused"), *common,
+                         "--memory-limit", f"{0.5 * single / mp.GIB:.6f}")
+    assert refused.returncode == 2
+    line = refused.stderr.strip().splitlines()[-1]
+    assert line.startswith("dflash: error: one training step on the longest sequence") and "--max-anchors" in line
+    assert "Traceback" not in refused.stderr and not (tmp_path / "refused" / "checkpoints").exists()

@@ -1,0 +1,158 @@
+"""The memory plan of a training run, made before the first step: the peak a micro-batch needs, estimated from its
+shapes, against the memory the device has left. A micro-batch that would not fit is split into several that are
+accumulated (the same samples, the same global step, the same result up to float rounding); a sequence that does
+not fit even alone stops the run before it starts, with one line naming the estimate, the limit and the flag to
+change. Nothing is left to the kernel's OOM killer, which ends a process without a word.
+
+The estimate counts what autograd keeps per drafter layer for Q block queries over K = C + Q keys (projections,
+norms in float32, RoPE copies, the grouped keys, the mask, the SwiGLU intermediates), the context projection, one
+chunk of the fused loss, the transient gradients of one layer in the backward, and the optimizer state that the
+first step allocates. Measured against the process's real peak on CPU (`train.log`: "memory: planned ... measured"),
+it errs on the high side; the planned and measured peaks of every run are logged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash.shared.errors import UserError
+
+SAFETY = 1.25  # the estimate is multiplied by this before it is compared with the limit
+CPU_HEADROOM_BYTES = 1 << 30  # left free on a CPU machine for the loader workers' interpreters and the page cache
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """What the estimate needs to know of the drafter and the run."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    context_dim: int  # concatenated target features per token (fc input)
+    vocab: int
+    block_size: int
+    element_bytes: int  # the compute dtype's (4: float32 on CPU, 2: bf16 under mixed precision)
+    trainable_params: int
+    loss_chunk: int = 1024
+
+    @classmethod
+    def of(cls, config: Any, trainable_params: int, element_bytes: int) -> DrafterShape:
+        return cls(hidden=config.hidden_size, intermediate=config.intermediate_size,
+                   heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                   layers=config.num_hidden_layers, context_dim=config.num_context_layers * config.hidden_size,
+                   vocab=config.vocab_size, block_size=config.block_size, element_bytes=element_bytes,
+                   trainable_params=trainable_params)
+
+
+def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:
+    """Bytes a forward + backward over one packed micro-batch needs beyond the fixed state (ints, or numpy arrays
+    elementwise)."""
+    b, fp32 = shape.element_bytes, 4
+    q = blocks * shape.block_size
+    k = context_tokens + q
+    h, i, d = shape.hidden, shape.intermediate, shape.head_dim
+    qh, kvh = shape.heads * d, shape.kv_heads * d
+    context = context_tokens * (shape.context_dim * (b + 1) + h * (2 * b + 2 * fp32))
+    # Per layer: norms (input and float32 copy), q/k/v and their norms and RoPE copies, the keys as the grouped
+    # attention expands them to every query head (up to twice the whole mask's keys), the boolean mask, the
+    # attention output, o_proj and the residuals, and the SwiGLU intermediates.
+    norms = 2 * q * h * (b + 2 * fp32)
+    projections = q * qh * (3 * b + 2 * fp32) + k * h * b + k * kvh * (4 * b + 2 * fp32)
+    grouped_keys = 2 * 2 * k * qh * b
+    mask = 2 * q * k
+    attention_out = q * qh * b * 2 + q * h * b * 2
+    mlp = q * (4 * i * b + h * b)
+    per_layer = norms + projections + grouped_keys + mask + attention_out + mlp
+    loss = shape.loss_chunk * shape.vocab * fp32 * 2 + 2 * q * h * fp32
+    return context + shape.layers * per_layer + per_layer + loss  # + one layer's gradients in the backward
+
+
+def fixed_bytes(shape: DrafterShape) -> int:
+    """The optimizer state and gradients the first step allocates (AdamW: two float32 moments; float32 grads)."""
+    return 12 * shape.trainable_params
+
+
+def device_limit_bytes(device: Any) -> int:
+    """Memory still free for this process: on CUDA the device's free memory; on CPU the available RAM (and the
+    cgroup's limit, where one is set), less a headroom."""
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    available = int(psutil.virtual_memory().available)
+    for limit_file, usage_file in (("memory.max", "memory.current"),):
+        root = Path("/sys/fs/cgroup")
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():
+            available = min(available, int(limit) - usage)
+    return max(0, available - CPU_HEADROOM_BYTES)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How many parts each micro-batch of a run is split into, and the figures behind it."""
+
+    shape: DrafterShape
+    limit_bytes: int  # what was free when the run was set up (or --memory-limit)
+    budget_bytes: int  # what one part of a micro-batch may use: the limit less the fixed state, / SAFETY
+    planned_peak_bytes: int  # fixed state + the largest part, x SAFETY
+
+    def parts(self, lengths: np.ndarray, blocks: np.ndarray) -> list[tuple[int, int]]:
+        """The micro-batch of sequences with these context lengths and block counts, cut into consecutive
+        sequence ranges [a, b) that each fit the budget (one range when the whole fits)."""
+        ranges, first, context, count = [], 0, 0, 0
+        for s, (length, n) in enumerate(zip(lengths.tolist(), blocks.tolist())):
+            if s > first and step_bytes(self.shape, context + length, count + n) > self.budget_bytes:
+                ranges.append((first, s))
+                first, context, count = s, 0, 0
+            context, count = context + length, count + n
+        ranges.append((first, len(lengths)))
+        return ranges
+
+
+def make_plan(shape: DrafterShape, largest: tuple[int, int], longest: tuple[int, int], limit_bytes: int,
+              device_name: str) -> MemoryPlan:
+    """The plan for a run whose largest micro-batch holds `largest` = (context tokens, blocks) and whose costliest
+    sequence `longest` = (tokens, blocks); refuses when even that sequence alone does not fit."""
+    budget = int((limit_bytes - fixed_bytes(shape)) / SAFETY)
+    single = int(step_bytes(shape, *longest))
+    if single > budget:
+        need = (single * SAFETY + fixed_bytes(shape)) / GIB
+        raise UserError(f"one training step on the longest sequence ({longest[0]:,} tokens, {longest[1]:,} blocks) "
+                        f"needs ~{need:.1f} GiB but {limit_bytes / GIB:.1f} GiB are free on {device_name}: lower "
+                        "--max-anchors or --anchor-density, or train fewer --draft-layers (or free memory)")
+    whole = int(step_bytes(shape, *largest))
+    peak = int(SAFETY * min(whole, budget) + fixed_bytes(shape))
+    return MemoryPlan(shape=shape, limit_bytes=limit_bytes, budget_bytes=budget, planned_peak_bytes=peak)
+
+
+def measured_peak_bytes(device: Any) -> int:
+    """The process's peak so far: CUDA memory allocated by torch, or on CPU the peak resident set."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def limit_from_option(gib: float | None, device: Any) -> int:
+    """--memory-limit in GiB when given (a run sharing the machine, or a test), else what the device has free."""
+    return int(gib * GIB) if gib is not None else device_limit_bytes(device)
+
