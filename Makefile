@@ -13,7 +13,7 @@ MAX_LENGTH ?= 448
 NEW_TOKENS ?= 128
 WORKERS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,2)
 GEN_FLAGS ?=
-TRAIN_FLAGS ?= --epochs 24 --draft-layers 1 --max-anchors 16 --batch-tokens 2048 --lr 3e-3 --eval-every 100 \
+TRAIN_FLAGS ?= --epochs 24 --draft-layers 1 --max-anchors 16 --batch-tokens 4096 --lr 3e-3 --eval-every 100 \
 	--eval-sequences 8 --checkpoint-every 100
 EVAL_SAMPLES ?= 4
 EVAL_TOKENS ?= 48

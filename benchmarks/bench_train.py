@@ -82,11 +82,11 @@ def build_cache(root: Path, target: dict, samples: int, length: int, layer_ids: 
 def step_flops(config, inputs: dict) -> float:  # type: ignore[no-untyped-def]
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     hq, hkv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    layout = inputs.layout
-    valid = layout.anchor_valid
+    layout = inputs.layout  # packed (attention_masks.PackedLayout)
+    valid = layout.block_valid
     q_tokens = float(valid.sum()) * layout.block_size
-    context = float(layout.context_lengths.sum())
-    visible = float(((layout.anchors + layout.block_size) * valid).sum()) * layout.block_size
+    context = float(layout.context_len)  # the packed context axis (its bucket padding included: it is computed)
+    visible = float(((layout.block_anchor + layout.block_size) * valid).sum()) * layout.block_size
     feature_dim = inputs.features.shape[-1]
     supervised = float((inputs.labels != -100).sum())
     vocab = config.vocab_size
@@ -181,8 +181,11 @@ def main() -> None:
     started = time.time()
     build_cache(work / "cache", target, args.samples, args.length, [1, 9, 17, 25, 33], shards=4)
     print(f"cache built in {time.time() - started:.1f} s", flush=True)
+    # --batch sequences of --length tokens with 512 anchors each (every candidate up to the cap): the packed budget
+    # counts context and block tokens.
     options = TrainOptions(cache=work / "cache", out=work / "run", max_steps=10**6, mask_token_id=151669 % target[
-        "vocab_size"], batch_tokens=args.batch * args.length, eval_fraction=0.0, eval_every=0, checkpoint_every=0,
+        "vocab_size"], batch_tokens=args.batch * (args.length + 512 * 16), anchor_density=1.0, max_anchors=512,
+        eval_fraction=0.0, eval_every=0, checkpoint_every=0,
         num_workers=args.workers, attention=args.attention, compile=args.compile,
         mixed_precision="bf16" if torch.cuda.is_available() else "no")
     run = setup_run(options)
@@ -218,7 +221,7 @@ def main() -> None:
             run_step(micro)
         sync()
         seconds = time.perf_counter() - begin
-        block_tokens = args.steps * float(first.layout.anchor_valid.sum()) * 16
+        block_tokens = args.steps * float(first.layout.block_valid.sum()) * 16
         results[name] = {"step_s": seconds / args.steps, "tflops": flops / seconds / 1e12,
                          "mfu_vs_peak": flops / seconds / H200_PEAK, "mfu_vs_measured": flops / seconds / H200_MEASURED,
                          "block_tokens_per_s": block_tokens / seconds,

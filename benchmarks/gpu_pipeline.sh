@@ -53,6 +53,28 @@
 # To train on from the last session's drafter: carry its kept folder (parts joined by `cat`) in a call of its own
 # before call 2, give INIT=that folder, and KEEP=/tmp/gpu_keep; the last call copies /tmp/gpu_keep/* into $OUT
 # (config, target info and three parts: 5 files of at most 15 MB beside state.tgz).
+#
+# Packed vs padded anchors (issue: stage 2 on real data), not run yet: the same fp8 cache of the 4,215 carried
+# conversations, the padded 64-anchor layout of commit ed327ed (the code before packing) and the packed density
+# layout side by side, the same 900 s each (120 s of it for start-up and the final export), every evaluation over
+# the whole held-out split (--eval-sequences 1000 > its ~210 sequences):
+#   here:    bash benchmarks/gpu_carry.sh; mkdir -p .carry_old && git archive ed327ed shared stage1_extract \
+#            stage2_train | tar -x -C .carry_old
+#   call 1:  carry .whl .carry_a .carry_old; export OUT2=$OUT OUT=/tmp/gpu_out; bash benchmarks/gpu_pipeline.sh setup;
+#            cp -r .carry_old /tmp/old_code
+#   call 2:  carry .carry_b; cp -r . /tmp/repo && cd /tmp/repo && export OUT2=$OUT OUT=/tmp/gpu_out &&
+#            bash benchmarks/gpu_pipeline.sh model && DTYPES=fp8 VERIFY=0 GEN_SECONDS=0 bash benchmarks/gpu_pipeline.sh
+#            extract && mkdir -p /tmp/old_work && ln -sfn /tmp/dflash_work/cache_fp8 /tmp/old_work/cache_fp8 &&
+#            (DTYPES=fp8 TRAIN_SECONDS=900 VARIANTS="packed:1e-3:--batch-tokens=49152,--eval-every=1000,--eval-sequences=1000,--num-workers=6"
+#             setsid nohup bash benchmarks/gpu_pipeline.sh train >/tmp/gpu_out/packed.out 2>&1 </dev/null &);
+#            (WORK=/tmp/old_work OUT=/tmp/gpu_out/padded DTYPES=fp8 TRAIN_SECONDS=900
+#             DF="env PYTHONPATH=/tmp/site:/tmp/old_code python3 -m shared.cli"
+#             VARIANTS="a64:1e-3:--max-anchors=64,--batch-tokens=16384,--eval-every=1500,--eval-sequences=1000,--num-workers=6"
+#             setsid nohup bash benchmarks/gpu_pipeline.sh train >/tmp/gpu_out/padded.out 2>&1 </dev/null &)
+#   then:    poll, and bring back both runs' metrics.jsonl (tau over time: eval/tau_walk against elapsed_s), then
+#            `bash benchmarks/gpu_pipeline.sh bench` with BENCH_VARIANTS="flex flex_compile" for the Qwen3-8B shape.
+# (--batch-tokens counts context and block tokens since packing: 49,152 holds about the 30 sequences that 16,384
+# padded context tokens held.)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 WORK=${WORK:-/tmp/dflash_work}

@@ -31,7 +31,7 @@ REFERENCE_LAYER_KEYS = [
     "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.q_proj.weight", "self_attn.v_proj.weight",
 ]
 # Small and fast on 2 CPU cores, but the real model, data path, loss and loop.
-TRAIN_ARGS = ("--draft-layers", "1", "--max-anchors", "24", "--batch-tokens", "768", "--num-workers", "1",
+TRAIN_ARGS = ("--draft-layers", "1", "--max-anchors", "24", "--batch-tokens", "2304", "--num-workers", "1",
               "--eval-fraction", "0.15", "--eval-sequences", "6", "--mixed-precision", "no")
 
 
@@ -365,7 +365,7 @@ def test_memory_plan_splits_micro_batches_to_the_same_losses_or_refuses(train_ca
     need = lambda samples: int(mp.step_bytes(shape, sum(s.length for s in samples),  # noqa: E731
                                              int(rule.count([s.n_anchor_candidates for s in samples]).sum())))
     single = max(need([s]) for s in index.train)
-    largest = max(need(pack) for pack in plan_epoch(index, 0, 0, 768, 1, rule))
+    largest = max(need(pack) for pack in plan_epoch(index, 0, 0, 2304, 1, rule))
     assert largest > 1.5 * single  # micro-batches of several sequences: there is something to split
     limit = (mp.fixed_bytes(shape) + mp.SAFETY * 1.2 * single) / mp.GIB
     split = run_dflash("train", "--cache", str(train_cache), "--out", str(tmp_path / "split"), *common,
