@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import zarr
 
-from dflash.shared import cache_format as cf
 from dflash.shared.feature_codecs import bf16_view
 
 ARRAYS = ("features", "input_ids", "loss_mask", "offsets", "sample_index", "sample_id")

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from dflash.shared import cache_format as cf
 from dflash.shared.errors import UserError
+from dflash.shared.run_files import RunFiles
 from dflash.stage2_train.acceptance import offline_acceptance
 from dflash.stage2_train.data import AnchorRule, CacheIndex, eval_sequences, plan_epoch
 from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY
@@ -310,7 +311,7 @@ def test_export_command_exports_the_latest_checkpoint_also_an_fsdp_one(train_cac
     empty = tmp_path / "empty"
     (empty / "checkpoints" / "step-00000001").mkdir(parents=True)
     (empty / "checkpoints" / "step-00000001" / "complete").write_text("1")
-    (empty / DRAFT_CONFIG_FILE).write_text(json.dumps(config.to_dict()))
+    (RunFiles(empty).draft_config).write_text(json.dumps(config.to_dict()))
     refused = run_dflash("export", "--run", str(empty))
     assert refused.returncode == 2 and "holds neither model.safetensors" in refused.stderr, refused.stderr[-2000:]
 
