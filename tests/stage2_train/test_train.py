@@ -280,7 +280,6 @@ def test_export_command_exports_the_latest_checkpoint_also_an_fsdp_one(train_cac
     from accelerate.utils.constants import FSDP_MODEL_NAME
     from safetensors.torch import save_file
 
-    from dflash.shared.run_files import RunFiles
 
     config = DFlashConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
                           num_key_value_heads=3, head_dim=64, vocab_size=49152, block_size=16, num_target_layers=30,
