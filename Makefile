@@ -50,7 +50,7 @@ all: $(STAMP)
 	$(BIN)/dflash extract --data $(WORK)/generated/conversations.jsonl --out $(WORK)/cache \
 		--max-length $(MAX_LENGTH) $(if $(WORKERS),--workers $(WORKERS))
 	$(BIN)/dflash inspect --cache $(WORK)/cache --verify
-	$(BIN)/dflash train --cache $(WORK)/cache --out $(WORK)/run $(TRAIN_FLAGS)
+	$(BIN)/dflash train --cache $(WORK)/cache --out $(WORK)/run --overwrite $(TRAIN_FLAGS)
 	$(BIN)/dflash eval --draft $(WORK)/run/export --data mtbench,humaneval,heldout --max-samples $(EVAL_SAMPLES) \
 		--max-new-tokens $(EVAL_TOKENS) --out $(WORK)/eval
 	@cat $(WORK)/eval/eval.md

@@ -174,8 +174,8 @@ def inspect_command(location: str, verify: bool, as_json: bool) -> None:
                 for shard, found in problems.items():
                     for problem in found:
                         click.echo(f"DAMAGED shard {shard} ({cf.shard_name(shard)}): {problem}")
-                    click.echo(f"  fix: dflash extract --out {location} --only-shards {shard} --overwrite "
-                               "(with the options of the original run)")
+                click.echo(f"fix: {cf.repair_command(location)} (redoes shards {sorted(problems)} with the "
+                           "options recorded in the cache; healthy shards are not touched)")
             else:
                 click.echo(f"verify: OK ({summary['shard_status'].get('done', 0)} shards re-read)")
     sys.exit(1 if problems else 0)

@@ -49,6 +49,9 @@ from dflash.stage2_train.objective import OBJECTIVES
 @click.option("--eval-sequences", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=500, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue exactly from the latest checkpoint in --out.")
+@click.option("--overwrite", is_flag=True,
+              help="Discard the run already in --out (metrics, checkpoints, exports; logs are kept) and start afresh. "
+                   "Without it or --resume an existing run is refused.")
 @click.option("--init-from", type=click.Path(path_type=Path), default=None, metavar="EXPORT_DIR",
               help="Start from the weights of an exported drafter of the same shape and target (a new optimizer and "
                    "schedule): train on across sessions, or fine-tune on other data.")
@@ -74,6 +77,14 @@ def train_command(processes: int | None, compile_: bool, **kwargs: object) -> No
     length tau (a greedy decoding walk over cached features). The export lands in OUT/export/; the drafter of
     the best held-out evaluation after step 0 in OUT/export_best/ (with best.json: its step and tau).
     """
+    from dflash.shared.interrupts import exit_on_interrupt, rerun_command
+
+    resume = rerun_command("--resume", drop_flags=("--overwrite",))
+    with exit_on_interrupt("train", f"the last checkpoint is kept; continue with: {resume}"):
+        _train(processes, compile_, kwargs)
+
+
+def _train(processes: int | None, compile_: bool, kwargs: dict[str, object]) -> None:
     import os
 
     import torch
@@ -142,9 +153,12 @@ def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> 
               help="0 = greedy (checked against plain greedy decoding on every prompt); > 0 = rejection sampling.")
 @click.option("--model", default=None, help="Target model (default: the one recorded with the drafter).")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads (0 = torch default).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (with --temperature > 0).")
+@click.option("--allow-target-mismatch", is_flag=True,
+              help="Evaluate even when the target's content hash differs from the one the drafter was trained for "
+                   "(recorded in its dflash_target.json).")
 def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_new_tokens: int, temperature: float,
-                 model: str | None, threads: int, seed: int) -> None:
+                 model: str | None, threads: int, seed: int, allow_target_mismatch: bool) -> None:
     """Speculative decoding with the target and an exported drafter: acceptance length tau, acceptance by block
     position, tokens/s and speedup against plain autoregressive decoding and prompt-lookup decoding, measured in
     the same run. Greedy mode must reproduce the target's own greedy output."""
@@ -156,8 +170,11 @@ def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_ne
     if threads:
         torch.set_num_threads(threads)
     setup_logging(Path(out) / "eval.log")
-    result = run_eval(draft_dir, data, out, max_samples, max_new_tokens, temperature=temperature, model=model,
-                      seed=seed)
+    from dflash.shared.interrupts import exit_on_interrupt
+
+    with exit_on_interrupt("eval", "nothing is kept of an unfinished evaluation: rerun the same command"):
+        result = run_eval(draft_dir, data, out, max_samples, max_new_tokens, temperature=temperature, model=model,
+                          seed=seed, allow_target_mismatch=allow_target_mismatch)
     click.echo((Path(out) / "eval.md").read_text() if (Path(out) / "eval.md").is_file() else json_dump(result))
 
 

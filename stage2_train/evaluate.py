@@ -222,6 +222,27 @@ def check_compatibility(draft: Any, target: Any, info: Mapping[str, Any], draft_
                         + " (pass --model with the target it was trained for)")
 
 
+def check_target_identity(info: Mapping[str, Any], resolved: Any, draft_dir: Path, allow_mismatch: bool) -> None:
+    """Refuse a target whose content differs from the one the drafter was trained for (its export records the
+    hash of the target's config and weights): a target of the same shape passes every size check and would be
+    measured with a drafter that never saw its features. `allow_mismatch` (--allow-target-mismatch) warns only."""
+    from dflash.shared.target_loading import target_content_hash
+
+    trained_for = info.get("target_hash")
+    if not trained_for:
+        log.warning("%s does not record the hash of its target: it cannot be checked", draft_dir)
+        return
+    loaded = target_content_hash(resolved.load_path)
+    if loaded == trained_for:
+        return
+    message = (f"drafter {draft_dir} was trained for target {info.get('target_source') or 'embedded'} (hash "
+               f"{trained_for[:16]}), the target {resolved.display_name} has hash {loaded[:16]}")
+    if not allow_mismatch:
+        raise UserError(f"{message}: pass --model with the target it was trained for, or --allow-target-mismatch "
+                        "to measure it anyway")
+    log.warning("--allow-target-mismatch: %s", message)
+
+
 def _resolve_target_source(info: Mapping[str, Any], model: str | None, draft_dir: Path) -> Any:
     from dflash.shared.target_loading import resolve_target
 
@@ -457,6 +478,7 @@ def run_eval(
     model: str | None = None,
     device: str = "auto",
     seed: int = 0,
+    allow_target_mismatch: bool = False,
 ) -> dict[str, Any]:
     """Evaluate an exported drafter against its target on one or more datasets; write eval.json/.md/.png."""
     from dflash.shared.target_loading import load_target_model, load_tokenizer, stop_token_ids
@@ -476,6 +498,7 @@ def run_eval(
         else load_prompts(name, max_samples) for name in names}
     info = read_target_info(draft_dir)
     resolved = _resolve_target_source(info, model, draft_dir)
+    check_target_identity(info, resolved, draft_dir, allow_target_mismatch)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -329,5 +329,5 @@ def test_train_refuses_a_damaged_cache_naming_the_shard(train_cache: Path, tmp_p
     shutil.rmtree(cf.shard_path(cache, 1))
     result = run_dflash("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--max-steps", "1")
     assert result.returncode == 2
-    assert "shard 1" in result.stderr and "--only-shards 1 --overwrite" in result.stderr
+    assert "shard 1" in result.stderr and f"dflash extract --repair --out {cache}" in result.stderr
     assert "Traceback" not in result.stderr
