@@ -3,6 +3,7 @@ to go on, instead of click's bare "Aborted!" and exit code 1."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import sys
@@ -12,8 +13,17 @@ from contextlib import contextmanager
 from typing import Any
 
 
+_OWNER = {"pid": os.getpid()}
+
+
 def raise_interrupt(signum: int, _frame: Any) -> None:
-    """A signal handler that turns SIGTERM into KeyboardInterrupt(SIGTERM), so one `except` handles both."""
+    """A signal handler that turns SIGTERM into KeyboardInterrupt(SIGTERM), so one `except` handles both. A forked
+    child (a DataLoader worker) inherits it but must simply end as its parent stops it: there it restores the
+    default action and takes the signal again."""
+    if os.getpid() != _OWNER["pid"]:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise KeyboardInterrupt(signum)
 
 
@@ -36,10 +46,13 @@ def exit_on_interrupt(command: str, how_to_go_on: str) -> Iterator[None]:
     """Run a command's body with SIGTERM raising KeyboardInterrupt; on either, print `dflash COMMAND:
     interrupted (SIGINT); HOW_TO_GO_ON` and exit 128 + the signal number."""
     main_thread = threading.current_thread() is threading.main_thread()
+    _OWNER["pid"] = os.getpid()
     previous = signal.signal(signal.SIGTERM, raise_interrupt) if main_thread else None
     try:
         yield
     except KeyboardInterrupt as interrupt:
+        if os.getpid() != _OWNER["pid"]:  # a forked child unwinding the stack it copied: not ours to report
+            raise
         signum = interrupt_signal(interrupt)
         print(f"dflash {command}: interrupted ({signum.name}); {how_to_go_on}", file=sys.stderr)
         sys.exit(128 + int(signum))
