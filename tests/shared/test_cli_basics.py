@@ -54,3 +54,15 @@ def test_an_error_from_a_dataloader_worker_is_shown_as_its_own_message(capsys: p
         raise remote
     assert stopped.value.code == 2
     assert capsys.readouterr().err == "dflash: error: shard 1 could not be read; re-extract it\n"
+
+
+def test_every_option_of_every_command_has_help_text() -> None:
+    import click
+
+    from dflash.shared.cli import SUBCOMMANDS
+
+    context = click.Context(dflash)
+    missing = [f"{name} {param.opts[-1]}" for name in SUBCOMMANDS
+               for param in dflash.get_command(context, name).params  # type: ignore[union-attr]
+               if isinstance(param, click.Option) and not param.help]
+    assert missing == []

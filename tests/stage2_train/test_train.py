@@ -331,3 +331,19 @@ def test_train_refuses_a_damaged_cache_naming_the_shard(train_cache: Path, tmp_p
     assert result.returncode == 2
     assert "shard 1" in result.stderr and f"dflash extract --repair --out {cache}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_keep_checkpoints_deletes_all_but_the_newest(tmp_path: Path) -> None:
+    from dflash.shared.run_files import RunFiles
+    from dflash.stage2_train.checkpoints import prune_checkpoints
+
+    files = RunFiles(tmp_path / "run")
+    for step in (2, 4, 6, 8):
+        files.checkpoint(step).mkdir(parents=True)
+        (files.checkpoint(step) / "complete").write_text(str(step))
+    files.checkpoint(5).mkdir()  # a save killed half-way, older than the newest complete one
+    files.checkpoint(9).mkdir()  # a save in progress: newer, left alone
+    deleted = prune_checkpoints(files, keep=2)
+    assert sorted(p.name for p in deleted) == ["step-00000002", "step-00000004", "step-00000005"]
+    assert sorted(p.name for p in files.checkpoints.iterdir()) == ["step-00000006", "step-00000008", "step-00000009"]
+    assert prune_checkpoints(files, keep=0) == []  # 0 keeps every complete checkpoint
