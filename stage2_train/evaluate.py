@@ -528,10 +528,13 @@ def run_eval(
     prompt_lookup_generate(target, first, 4, stops)
 
     datasets: dict[str, Any] = {}
+    total_prompts = sum(len(prompts) for prompts in prompts_by_dataset.values())
+    started, done = time.time(), 0
     for name, prompts in prompts_by_dataset.items():
         runs: dict[str, list[SpecResult]] = {"dflash": [], "plain": [], "prompt_lookup": []}
         samples: list[dict[str, Any]] = []
         for prompt in prompts:
+            prompt_started = time.time()
             ids = prompt.ids or tokenize_prompt(tokenizer, prompt.messages)
             spec = dflash(ids, max_new_tokens)
             plain = greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature, generator=generator)
@@ -547,9 +550,12 @@ def run_eval(
             runs["dflash"].append(spec)
             runs["plain"].append(plain)
             runs["prompt_lookup"].append(lookup)
-            log.info("%s %s: %d tokens, tau %.2f, %.1f / %.1f / %.1f tok/s (dflash / plain / lookup)", name,
-                     prompt.id, len(spec.tokens), spec.tau, spec.tokens_per_second, plain.tokens_per_second,
-                     lookup.tokens_per_second)
+            done += 1
+            log.info("[%d/%d] %s %s: %d tokens, tau %.2f, %.1f / %.1f / %.1f tok/s (dflash / plain / lookup); "
+                     "%.1f s, ETA %s", done, total_prompts, name, prompt.id, len(spec.tokens), spec.tau,
+                     spec.tokens_per_second, plain.tokens_per_second, lookup.tokens_per_second,
+                     time.time() - prompt_started,
+                     time.strftime("%H:%M:%S", time.gmtime((time.time() - started) / done * (total_prompts - done))))
         datasets[name] = _summarise(name, samples, runs, block_size, greedy)
         if any(prompt.cached is not None for prompt in prompts):
             datasets[name]["offline"] = _offline_walk(draft, embed, head, prompts)

@@ -404,7 +404,7 @@ def resume(run: TrainingRun) -> None:
 
 def write_run_records(run: TrainingRun) -> None:
     """What the run was made from, beside its results: options, drafter config, the cache's manifest."""
-    run.files.options.write_text(json.dumps(
-        {k: str(v) if isinstance(v, Path) else v for k, v in asdict(run.options).items()}, indent=2))
+    options = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(run.options).items()}
+    run.files.options.write_text(json.dumps({**options, "total_steps": run.total_steps}, indent=2))
     run.files.draft_config.write_text(json.dumps(run.config.to_dict(), indent=2))
     cf.write_json_atomic(run.files.cache_manifest, run.manifest)

@@ -229,3 +229,21 @@ def test_ctrl_c_in_train_exits_130_and_prints_the_resume_command(baseline_cache:
     assert "Aborted!" not in stderr and "Traceback" not in stderr
     assert "interrupted (SIGINT)" in stderr and "--resume" in stderr and str(run) in stderr
     assert 1 <= len(list((run / "checkpoints").glob("*/complete"))) <= 3  # --keep-checkpoints 3 by default
+
+
+# ------------------------------------------------------------------------------------ small first-day things
+
+
+def test_status_reports_a_training_run(trained_run: Path) -> None:
+    from click.testing import CliRunner
+    from filelock import FileLock
+
+    from dflash.shared.cli import dflash
+
+    result = CliRunner().invoke(dflash, ["status", "--cache", str(trained_run)])
+    assert result.exit_code == 0, result.output
+    assert f"training run {trained_run}: finished, step 2/2" in result.output
+    assert "latest checkpoint: step-00000002" in result.output
+    with FileLock(str(trained_run / "train.lock")):  # what a running `dflash train` holds
+        report = json.loads(CliRunner().invoke(dflash, ["status", "--cache", str(trained_run), "--json"]).output)
+    assert report["state"] == "running" and report["step"] == 2 and report["tau"] is not None
