@@ -25,7 +25,6 @@ from dflash.stage2_train.draft_model import (
     DFlashConfig,
     DFlashDraftModel,
     config_from_target,
-    default_target_layer_ids,
     eager_attention,
     grouped_attention,
     sdpa_attention,
@@ -388,8 +387,10 @@ def test_config_from_target_and_export(tmp_path) -> None:
 
 
 def test_default_target_layer_ids() -> None:
-    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
-    assert default_target_layer_ids(30, 1) == [15]
+    from dflash.shared.target_layers import default_layer_ids
+
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(30, 1) == [15]
     assert make_config(target_layer_ids=None, num_draft_layers=3).target_layer_ids == [1, 3, 5]
 
 
