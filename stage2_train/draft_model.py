@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from dflash.shared.target_layers import default_layer_ids
 from dflash.stage2_train.attention_masks import (
     AnchorLayout,
     GroupedMask,

@@ -498,13 +498,13 @@ def run_eval(
         else load_prompts(name, max_samples) for name in names}
     info = read_target_info(draft_dir)
     resolved = _resolve_target_source(info, model, draft_dir)
-    check_target_identity(info, resolved, draft_dir, allow_target_mismatch)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
 
     draft = load_draft(draft_dir)
     target = load_target_model(resolved.load_path, device)
-    check_compatibility(draft, target, info, draft_dir)
+    check_compatibility(draft, target, info, draft_dir)  # sizes first: the clearest message
+    check_target_identity(info, resolved, draft_dir, allow_target_mismatch)
     tokenizer = load_tokenizer(resolved.load_path)
     stops = stop_token_ids(resolved.load_path, tokenizer)
     target_dtype = next(target.parameters()).dtype
