@@ -35,9 +35,11 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -m "not slow and not reliability" tests
 
-# Randomized kill campaign (10 random kills per command) and its table; ~15 minutes on 2 cores.
+# The bad-input tour (tests/end_to_end/test_bad_input_tour.py) and the randomized kill campaign (10 random kills per
+# command), in one table; ~17 minutes on 2 cores.
 reliability: $(STAMP)
 	rm -f benchmarks/results/reliability.json
+	-DFLASH_RELIABILITY_REPORT=1 $(BIN)/python -m pytest -q tests/end_to_end/test_bad_input_tour.py
 	-$(BIN)/python -m pytest -q -m reliability tests/end_to_end/test_reliability.py
 	$(BIN)/python benchmarks/reliability_table.py benchmarks/results/reliability.json
 
@@ -50,10 +52,9 @@ all: $(STAMP)
 	$(BIN)/dflash extract --data $(WORK)/generated/conversations.jsonl --out $(WORK)/cache \
 		--max-length $(MAX_LENGTH) $(if $(WORKERS),--workers $(WORKERS))
 	$(BIN)/dflash inspect --cache $(WORK)/cache --verify
-	$(BIN)/dflash train --cache $(WORK)/cache --out $(WORK)/run $(TRAIN_FLAGS)
+	$(BIN)/dflash train --cache $(WORK)/cache --out $(WORK)/run --overwrite $(TRAIN_FLAGS)
 	$(BIN)/dflash eval --draft $(WORK)/run/export --data mtbench,humaneval,heldout --max-samples $(EVAL_SAMPLES) \
 		--max-new-tokens $(EVAL_TOKENS) --out $(WORK)/eval
-	@cat $(WORK)/eval/eval.md
 
 # CPU figures (SmolLM2 over ShareGPT); results in benchmarks/results/*.json and docs/benchmarks.md.
 bench: $(STAMP)

@@ -231,7 +231,7 @@ EOF
         for run in "${runs[@]}"; do
             IFS=: read -r dtype lr name flags <<<"$run"
             # shellcheck disable=SC2086
-            $DF train --cache "$WORK/cache_$dtype" --out "$WORK/calib_$name" --max-steps 60 --lr "$lr" $TRAIN_FLAGS \
+            $DF train --cache "$WORK/cache_$dtype" --out "$WORK/calib_$name" --overwrite --max-steps 60 --lr "$lr" $TRAIN_FLAGS \
                 $flags --eval-every 0 --checkpoint-every 0 >"$OUT/calib_$name.log" 2>&1 &
         done
         timed calibrate wait
@@ -260,7 +260,7 @@ EOF
             IFS=: read -r dtype lr name flags <<<"$run"
             run_steps=$(tr ' ' '\n' <<<"$steps" | sed -n "s/^$name=//p")
             # shellcheck disable=SC2086
-            timeout -s TERM "$TRAIN_SECONDS" $DF train --cache "$WORK/cache_$dtype" --out "$WORK/$name" \
+            timeout -s TERM "$TRAIN_SECONDS" $DF train --cache "$WORK/cache_$dtype" --out "$WORK/$name" --overwrite \
                 --max-steps "$run_steps" --lr "$lr" $TRAIN_FLAGS $flags >"$OUT/train_$name.out" 2>&1 &
         done
         timed train wait
@@ -314,7 +314,7 @@ EOF
         for variant in "sdpa:--attention sdpa" "sdpa_compile:--attention sdpa --compile" "flex:--attention flex" \
             "flex_compile:--attention flex --compile"; do
             [[ " $FLAG_VARIANTS " == *" ${variant%%:*} "* ]] || continue
-            timed "flags_${variant%%:*}" $DF train $common --out "$WORK/flags_${variant%%:*}" ${variant#*:} \
+            timed "flags_${variant%%:*}" $DF train $common --overwrite --out "$WORK/flags_${variant%%:*}" ${variant#*:} \
                 >"$OUT/flags_${variant%%:*}.out" 2>&1
         done
         # shellcheck disable=SC2086
@@ -322,7 +322,7 @@ EOF
         # (NO_SHARD) but still runs the plugin, the gathers for evaluation and export, and its checkpoint format.
         gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
         timed flags_fsdp python3 -m torch.distributed.run --nproc_per_node "$gpus" -m dflash.shared.cli train $common \
-            --out "$WORK/flags_fsdp" --attention sdpa --fsdp >"$OUT/flags_fsdp.out" 2>&1
+            --out "$WORK/flags_fsdp" --overwrite --attention sdpa --fsdp >"$OUT/flags_fsdp.out" 2>&1
         rm -rf "$WORK/flags_fsdp/export"
         timed flags_fsdp_export $DF export --run "$WORK/flags_fsdp" >>"$OUT/flags_fsdp.out" 2>&1
         python3 - "$WORK" "$OUT/flags.json" <<'EOF'

@@ -174,8 +174,8 @@ def inspect_command(location: str, verify: bool, as_json: bool) -> None:
                 for shard, found in problems.items():
                     for problem in found:
                         click.echo(f"DAMAGED shard {shard} ({cf.shard_name(shard)}): {problem}")
-                    click.echo(f"  fix: dflash extract --out {location} --only-shards {shard} --overwrite "
-                               "(with the options of the original run)")
+                click.echo(f"fix: {cf.repair_command(location)} (redoes shards {sorted(problems)} with the "
+                           "options recorded in the cache; healthy shards are not touched)")
             else:
                 click.echo(f"verify: OK ({summary['shard_status'].get('done', 0)} shards re-read)")
     sys.exit(1 if problems else 0)
@@ -206,15 +206,80 @@ def _generate_summary(out_dir: Path) -> dict[str, Any]:
     return {"output": str(out_dir), "finished": finished}
 
 
+def train_summary(run_dir: Path) -> dict[str, Any]:
+    """A `dflash train` run directory: running (its lock is held) / finished / stopped, the last step of the total,
+    the last loss and held-out tau, the latest checkpoint, and an ETA from this session's pace."""
+    from filelock import FileLock, Timeout
+
+    from dflash.shared.run_files import RunFiles
+
+    files = RunFiles(run_dir.resolve())
+    options = json.loads(files.options.read_text())
+    records = []
+    if files.metrics.is_file():
+        for line in files.metrics.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval/tau_walk" in r]
+    session = steps
+    for i in range(1, len(steps)):  # a resumed run starts its clock again: pace from the last session only
+        if steps[i].get("elapsed_s", 0) < steps[i - 1].get("elapsed_s", 0):
+            session = steps[i:]
+    total = options.get("total_steps")
+    step = steps[-1]["step"] if steps else 0
+    eta = None
+    if total and len(session) > 1:
+        pace = (session[-1]["elapsed_s"] - session[0]["elapsed_s"]) / (session[-1]["step"] - session[0]["step"])
+        eta = max(0.0, (total - step) * pace)
+    try:
+        with FileLock(str(files.lock), timeout=0):
+            running = False
+    except Timeout:
+        running = True
+    latest = files.latest_checkpoint()
+    state = ("running" if running else "finished" if total and step >= total and files.export.is_dir()
+             else "stopped")
+    return {"run": str(files.root), "state": state, "step": step, "total_steps": total,
+            "loss": steps[-1]["loss"] if steps else None, "tau": evals[-1]["eval/tau_walk"] if evals else None,
+            "tau_step": evals[-1]["step"] if evals else None, "eta_s": eta,
+            "latest_checkpoint": latest.name if latest else None, "cache": options.get("cache")}
+
+
+def _print_train_status(report: dict[str, Any]) -> None:
+    click.echo(f"training run {report['run']}: {report['state']}, step {report['step']:,}/"
+               f"{report['total_steps'] or '?'}" + (f", ETA {report['eta_s']:,.0f} s" if report["state"] == "running"
+                                                     and report["eta_s"] is not None else ""))
+    if report["loss"] is not None:
+        click.echo(f"  last loss {report['loss']:.4f}" + (f"; held-out tau {report['tau']:.3f} at step "
+                                                          f"{report['tau_step']}" if report["tau"] else ""))
+    click.echo(f"  latest checkpoint: {report['latest_checkpoint'] or 'none'}")
+    if report["state"] == "stopped":
+        click.echo("  continue it with the `dflash train` command it was started with, plus --resume")
+
+
 @click.command("status")
 @click.option("--cache", "cache_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
-              help="Cache directory of a `dflash extract` (or output directory of a `dflash generate`).")
+              help="Cache directory of a `dflash extract`, output directory of a `dflash generate`, or run directory "
+                   "of a `dflash train`.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def status_command(cache_dir: Path, as_json: bool) -> None:
-    """What is running, done and failed in a cache, and how fast (works from another shell).
+    """What is running, done and failed in a cache, a generate output or a training run, and how fast (works from
+    another shell).
 
     A run whose process is gone or whose heartbeat is older than 30 s is reported as dead.
     """
+    from dflash.shared.run_files import RunFiles
+
+    if RunFiles(cache_dir).is_run():
+        report = train_summary(cache_dir)
+        if as_json:
+            click.echo(json.dumps(report, indent=2))
+        else:
+            _print_train_status(report)
+        return
     generate_output = not (cache_dir / cf.MANIFEST_FILE).exists() and (cache_dir / "generate.json").exists()
     summary = _generate_summary(cache_dir) if generate_output else cache_summary(cache_dir)
     status = cf.read_status(cache_dir)

@@ -53,6 +53,8 @@ STATUS_DIR = "status"
 LOCKS_DIR = "locks"
 LOG_FILE = "extract.log"
 EMBEDDINGS_FILE = "embeddings.safetensors"
+# Everything a cache directory may hold (anything else: the folder is not a cache; extract will not write there).
+CACHE_ENTRIES = (MANIFEST_FILE, MANIFEST_FILE + ".lock", LOG_FILE, TARGET_DIR, SHARDS_DIR, STATUS_DIR, LOCKS_DIR)
 
 CHUNK_TARGET_BYTES = 2 << 20
 SHARD_TARGET_BYTES = 64 << 20
@@ -71,11 +73,20 @@ IDENTITY_KEYS = (
     "num_shards",
 )
 
+# The manifest's record of the options of the run that made the cache (what `dflash extract --repair` reruns).
+OPTIONS_KEY = "options"
+
 SHARD_PENDING, SHARD_RUNNING, SHARD_DONE, SHARD_FAILED = "pending", "running", "done", "failed"
 
 
 class CacheError(UserError):
     """The cache is missing, from another format version, or does not match what was asked."""
+
+
+def repair_command(cache: Path | str) -> str:
+    """The command that redoes a cache's damaged shards, as every message about one names it (safe to run as
+    printed: it reads the original options from the manifest and touches no healthy shard)."""
+    return f"dflash extract --repair --out {cache}"
 
 
 def shard_name(index: int) -> str:

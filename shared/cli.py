@@ -38,6 +38,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="dflash", prog_name="dflash", message="%(prog)s %(version)s")
 def dflash() -> None:
     """dflash: train DFlash block-diffusion drafters for speculative decoding, in two stages.
 

@@ -2,6 +2,7 @@
 
     RUN/
       train.log, train-rankK.log   the log of the main process / of process K
+      train.lock                   held by the `dflash train` writing here (a second one is refused)
       train_options.json           the options the run was started with (cache path, split fraction, seed, ...)
       draft_config.json            the drafter's config (sizes, layers, mask token)
       cache_manifest.json          the manifest of the cache it trains from (what the export records)
@@ -31,6 +32,25 @@ class RunFiles:
     """The paths of one run directory."""
 
     root: Path
+
+    @property
+    def lock(self) -> Path:
+        """Held by the `dflash train` writing into the run (a second one into the same --out is refused)."""
+        return self.root / "train.lock"
+
+    def results(self) -> list[Path]:
+        """What a run produced (the logs aside): what `dflash train --overwrite` discards."""
+        return [self.options, self.draft_config, self.cache_manifest, self.metrics, self.plot, self.tensorboard,
+                self.checkpoints, self.export, self.export_best]
+
+    def entries(self) -> list[str]:
+        """Every name a run directory may hold (anything else: the folder is not a run; train will not write
+        there)."""
+        return [p.name for p in self.results()] + [self.lock.name, "train.log", "train-rank*.log"]
+
+    def is_run(self) -> bool:
+        """Whether a `dflash train` has set up a run here (it records its options before its first step)."""
+        return self.options.is_file()
 
     def log(self, rank: int = 0) -> Path:
         return self.root / ("train.log" if rank == 0 else f"train-rank{rank}.log")

@@ -114,10 +114,38 @@ def resolve_target(model: str | None) -> ResolvedTarget:
     return ResolvedTarget(source=model, load_path=model, display_name=model)
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def gguf_problem(path: Path) -> str | None:
+    """What is wrong with a GGUF file, checked before transformers reads it (whose errors on a damaged file say
+    "not a valid JSON file" or "cannot reshape array"): its magic, its header and tensor table, and that every
+    tensor lies within the file. None when it is sound."""
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        magic = handle.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        return f"is not a GGUF file (it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r})"
+    try:
+        tensors = GGUFReader(str(path)).tensors
+    except Exception as error:  # noqa: BLE001 - any failure to parse the header or tensor table is damage
+        return f"is truncated or damaged: its header and tensors do not fit in its {size:,} bytes ({error})"
+    for tensor in tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size:
+            return f"is truncated: tensor {tensor.name} ends at byte {end:,}, the file has {size:,} bytes"
+    return None
+
+
 def _resolve_gguf(gguf: Path, source: str, display_name: str) -> ResolvedTarget:
     key = sampled_file_hash([gguf])[:16]
     out_dir = dflash_home() / "models" / f"{gguf.stem}-{key}"
     if not (out_dir / "config.json").is_file():
+        problem = gguf_problem(gguf)
+        if problem is not None:
+            raise ModelLoadError(f"{gguf} {problem}: download or copy it again")
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         from filelock import FileLock
 

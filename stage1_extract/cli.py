@@ -68,7 +68,13 @@ def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None)
                    "bf16; quantized on the GPU, dequantized by stage 2 on the GPU), or bf16 (exact). Drafters trained "
                    "on either reached the same acceptance (docs/benchmarks.md, 'fp8 features').")
 @click.option("--overwrite", is_flag=True,
-              help="Redo the selected shards even if complete; discard the cache if its settings differ.")
+              help="Redo the selected shards even if complete; discard the cache if its settings differ. Asks first "
+                   "on a terminal; elsewhere refused without --yes.")
+@click.option("--yes", is_flag=True, help="With --overwrite: do not ask, discard.")
+@click.option("--repair", is_flag=True,
+              help="Redo exactly the shards `dflash inspect --verify` finds damaged (and unfinished ones), with the "
+                   "options recorded in the cache's manifest; healthy shards are not touched. Takes only --out, "
+                   "--workers and -v.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug messages on the console.")
 def extract_command(**kwargs: object) -> None:
     """Stage 1: run the frozen target over chat data and cache its hidden states.
@@ -82,9 +88,48 @@ def extract_command(**kwargs: object) -> None:
     Exit codes: 0 done, 1 a worker failed (traceback in the log), 2 bad option or input, 3 refused (cache made
     with other settings, or shards locked by another run), 130/143 interrupted (rerun to resume).
     """
-    from dflash.shared import object_store
-    from dflash.stage1_extract.supervisor import EXIT_REFUSED, ExtractOptions, ExtractRefused, run_extract
+    from dflash.shared.interrupts import exit_on_interrupt
+    from dflash.stage1_extract.supervisor import EXIT_REFUSED, ExtractRefused
 
+    try:
+        with exit_on_interrupt("extract", "rerun the same command to resume (finished shards are kept)"):
+            _extract(click.get_current_context(), kwargs)
+    except ExtractRefused as error:
+        click.echo(f"dflash extract: refused: {error}", err=True)
+        sys.exit(EXIT_REFUSED)
+
+
+REPAIR_TAKES = {"out", "workers", "verbose", "repair"}
+
+
+def _extract(ctx: click.Context, kwargs: dict[str, object]) -> None:
+    from dflash.shared import object_store
+    from dflash.stage1_extract.supervisor import (
+        EXIT_REFUSED,
+        ExtractOptions,
+        ExtractRefused,
+        confirm_overwrite,
+        repair_options,
+        run_extract,
+    )
+
+    yes = bool(kwargs.pop("yes"))
+    if kwargs.pop("repair"):
+        given = sorted(f"--{name.replace('_', '-')}" for name in kwargs if name not in REPAIR_TAKES
+                       and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE)
+        if given:
+            raise click.UsageError(f"--repair takes the options of the original run from the cache's manifest; "
+                                   f"leave out {', '.join(given)}")
+        if object_store.is_remote(str(kwargs["out"])):
+            raise click.UsageError("--repair works on a local cache: repair the staging cache, then publish it")
+        options, shards = repair_options(Path(str(kwargs["out"])), kwargs["workers"],  # type: ignore[arg-type]
+                                         bool(kwargs["verbose"]))
+        if not shards:
+            click.echo(f"dflash extract: every shard of {options.out} is sound: nothing to repair", err=True)
+            return
+        click.echo(f"dflash extract: repairing shards {shards} of {options.out} with the options it was made with",
+                   err=True)
+        sys.exit(run_extract(options))
     url, staging = str(kwargs.pop("out")), kwargs.pop("staging")
     remote = object_store.is_remote(url)
     if remote:
@@ -94,6 +139,8 @@ def extract_command(**kwargs: object) -> None:
     elif staging is not None:
         raise click.UsageError("--staging is only for --out s3://...")
     options = ExtractOptions(out=Path(staging) if remote else Path(url), **kwargs)  # type: ignore[arg-type]
+    if options.overwrite:
+        confirm_overwrite(options.out, yes)
     try:
         code = run_extract(options)
         if remote:  # what finished is published even when some shards failed: a rerun does the rest
@@ -155,11 +202,13 @@ def generate_command(**kwargs: object) -> None:
     Exit codes: 0 done, 1 a worker failed (see OUT/generate.log), 2 bad option or input, 3 refused (output made
     with other settings, or in use by another run), 130/143 interrupted (rerun to resume).
     """
+    from dflash.shared.interrupts import exit_on_interrupt
     from dflash.stage1_extract.generate_run import GenerateOptions, run_generate
     from dflash.stage1_extract.supervisor import EXIT_REFUSED, ExtractRefused
 
     try:
-        code = run_generate(GenerateOptions(**kwargs))  # type: ignore[arg-type]
+        with exit_on_interrupt("generate", "rerun the same command to resume (finished conversations are kept)"):
+            code = run_generate(GenerateOptions(**kwargs))  # type: ignore[arg-type]
     except ExtractRefused as error:
         click.echo(f"dflash generate: refused: {error}", err=True)
         sys.exit(EXIT_REFUSED)

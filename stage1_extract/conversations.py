@@ -235,7 +235,7 @@ def _parse_json_line(line: str, display: str, line_number: int) -> Any:
     except json.JSONDecodeError as exc:
         hint = " (the file may be cut off)" if not line.endswith("\n") else ""
         raise DataError(
-            f"{display}:{line_number}: malformed JSON line{hint} ({exc.msg} at column {exc.colno}); "
+            f"{display}:{line_number}: malformed JSON line{hint} ({json_error_text(exc)}); "
             "fix or delete that line (JSON Lines needs one complete JSON object per line)"
         ) from exc
     except (ValueError, RecursionError) as exc:
@@ -292,7 +292,7 @@ def _iter_json_array(text: str, pos: int, display: str, notes: list[str]) -> Ite
                 notes.append(f"{display} is cut off at line {exc.lineno}: kept the complete records before it")
                 return
             raise DataError(
-                f"{display}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno}); fix the file there"
+                f"{display}:{exc.lineno}: invalid JSON ({json_error_text(exc)}); fix the file there"
             ) from exc
         except (ValueError, RecursionError) as exc:
             raise _unreadable_json(text, pos, display, exc) from exc
@@ -322,7 +322,7 @@ def _decode_value(text: str, pos: int, display: str) -> tuple[Any, int]:
         return json.JSONDecoder().raw_decode(text, pos)
     except json.JSONDecodeError as exc:
         raise DataError(
-            f"{display}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno}); fix the file there"
+            f"{display}:{exc.lineno}: invalid JSON ({json_error_text(exc)}); fix the file there"
         ) from exc
     except (ValueError, RecursionError) as exc:
         raise _unreadable_json(text, pos, display, exc) from exc
@@ -578,6 +578,11 @@ def tokenize_conversation(
     if int(mask.sum()) < 2:
         return "no_assistant_tokens"
     return TokenizedSample(conversation.index, conversation.sample_id, ids, mask, truncated)
+
+
+def json_error_text(exc: json.JSONDecodeError) -> str:
+    """'<what> at column N' (json's own messages may end in 'at' already: 'Unterminated string starting at')."""
+    return f"{exc.msg} column {exc.colno}" if exc.msg.endswith(" at") else f"{exc.msg} at column {exc.colno}"
 
 
 def template_fingerprint(tokenizer: Any) -> str:

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shared import cache_format as cf
+from dflash.shared.interrupts import interrupt_signal, raise_interrupt
 from dflash.shared.logs import get_logger, setup_logging
+from dflash.shared.output_dirs import refuse_foreign_folder
 from dflash.shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids, target_content_hash
 from dflash.stage1_extract.conversations import Conversation, load_conversations, template_fingerprint
 from dflash.stage1_extract.regenerate import ConversationRegenerator, GenerateSettings
@@ -49,6 +51,9 @@ OUTPUT_FILE = "conversations.jsonl"
 SETTINGS_FILE = "generate.json"
 PARTS_DIR = "parts"
 LOG_FILE = "generate.log"
+LOCK_FILE = ".generate.lock"
+# Everything an output directory may hold (anything else: the folder is not ours; generate will not write there).
+OUTPUT_ENTRIES = (OUTPUT_FILE, SETTINGS_FILE, PARTS_DIR, LOG_FILE, LOCK_FILE, cf.STATUS_DIR)
 
 
 @dataclass
@@ -149,12 +154,13 @@ class GenerateRun:
     def run(self) -> int:
         from filelock import FileLock, Timeout
 
+        refuse_foreign_folder(self.out_dir, OUTPUT_ENTRIES, "dflash generate output")
         self.out_dir.mkdir(parents=True, exist_ok=True)
         setup_logging(self.log_file, verbose=self.options.verbose)
         print(f"dflash generate: output directory {self.out_dir} (log: {self.log_file})", file=sys.stderr)
         log.info("dflash generate starting (pid %d): %s", os.getpid(), self.options)
         with ExitStack() as stack:
-            lock = FileLock(str(self.out_dir / ".generate.lock"), timeout=0)
+            lock = FileLock(str(self.out_dir / LOCK_FILE), timeout=0)
             try:
                 lock.acquire()
             except Timeout as error:
@@ -252,13 +258,13 @@ class GenerateRun:
                                       name=f"dflash-generate-{worker_id}", daemon=True)
             process.start()
             self.processes.append(process)
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        previous = signal.signal(signal.SIGTERM, raise_interrupt)
         try:
             return self._event_loop(len(chunks), len(pending), events)
         except KeyboardInterrupt as interrupt:
-            signum = interrupt.args[0] if interrupt.args else signal.SIGINT
+            signum = interrupt_signal(interrupt)
             log.warning("interrupted (%s): stopping workers; rerun the same command to resume",
-                        signal.Signals(signum).name)
+                        signum.name)
             stop_processes(self.processes)
             self._write_run_status("interrupted", {})
             return 128 + int(signum)
@@ -330,10 +336,6 @@ class GenerateRun:
     def _write_run_status(self, state: str, progress: dict[str, Any]) -> None:
         cf.write_status(self.out_dir, "run", {"command": "generate", "pid": os.getpid(), "state": state,
                                               "started": self.started, **progress})
-
-
-def _raise_interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(signum)
 
 
 def _worker_main(worker_id: int, device_name: str, config: _WorkerConfig, tasks: Any, events: Any) -> None:

@@ -21,8 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shared import cache_format as cf
+from dflash.shared.errors import UserError
 from dflash.shared.feature_codecs import FEATURE_DTYPES
+from dflash.shared.interrupts import interrupt_signal, raise_interrupt
 from dflash.shared.logs import get_logger, setup_logging
+from dflash.shared.output_dirs import refuse_foreign_folder
 from dflash.shared.target_layers import default_layer_ids, validate_layer_ids
 from dflash.shared.target_loading import (
     ResolvedTarget,
@@ -63,7 +66,55 @@ class ExtractOptions:
     batch_tokens: int | None = None
     feature_dtype: str = FEATURE_DTYPES[0]  # the CLI default (docs/benchmarks.md "fp8 features")
     overwrite: bool = False
+    redo: bool = False  # --repair: redo the selected shards even if complete; never discard the cache
     verbose: bool = False
+
+    def recorded(self, layer_ids: list[int]) -> dict[str, Any]:
+        """What the manifest keeps of these options: everything `--repair` needs to redo a shard as it was made
+        (local paths made absolute, so the repair works from any directory)."""
+        def local(value: str | None) -> str | None:
+            return str(Path(value).resolve()) if value and Path(value).exists() else value
+
+        return {"model": local(self.model), "data": local(self.data), "column": self.column, "split": self.split,
+                "max_samples": self.max_samples, "max_length": self.max_length, "overlength": self.overlength,
+                "target_layers": layer_ids, "feature_dtype": self.feature_dtype, "batch_tokens": self.batch_tokens}
+
+
+def confirm_overwrite(out: Path, yes: bool) -> None:
+    """--overwrite on an existing cache discards finished shards: ask on a terminal, refuse elsewhere unless --yes
+    (a pasted or scripted command must not destroy a cache by accident)."""
+    if yes or not (out / cf.MANIFEST_FILE).is_file():
+        return
+    question = (f"--overwrite: redo finished shards of the cache {out}, or discard all of it if its settings "
+                "differ. Continue?")
+    if sys.stdin.isatty() and sys.stderr.isatty():
+        import click
+
+        if click.confirm(question, default=False, err=True):
+            return
+        raise ExtractRefused("not confirmed: nothing was changed")
+    raise ExtractRefused(f"--overwrite on the existing cache {out} discards finished shards: add --yes to confirm "
+                         f"(to redo only damaged shards: `dflash extract --repair --out {out}`)")
+
+
+def repair_options(out: Path, workers: int | None = None, verbose: bool = False) -> tuple[ExtractOptions, list[int]]:
+    """`dflash extract --repair`: the options of the run that made the cache `out` (from its manifest) and the shards
+    to redo (those `dflash inspect --verify` finds damaged, and any not finished); ([] when all are sound)."""
+    from dflash.shared.cache_commands import verify_cache
+
+    manifest = cf.read_manifest(out)
+    recorded = manifest.get(cf.OPTIONS_KEY)
+    if not recorded:
+        raise ExtractRefused(
+            f"{out / cf.MANIFEST_FILE} does not record the options of the run that made it (an older dflash): "
+            "--repair cannot redo its shards; re-extract the damaged ones with `dflash extract --out "
+            f"{out} --only-shards N --overwrite --yes` and exactly the options of the original run")
+    damaged = set(verify_cache(out))
+    unfinished = {int(k) for k, e in manifest["shards"].items() if e.get("status") != cf.SHARD_DONE}
+    shards = sorted(damaged | unfinished)
+    options = ExtractOptions(out=out, **recorded, only_shards=",".join(map(str, shards)) or None, redo=True,
+                             workers=workers, verbose=verbose)
+    return options, shards
 
 
 MAX_SHARDS = 100_000
@@ -203,6 +254,7 @@ class Supervisor:
     def _open_manifest(self, identity: dict[str, Any], data: LoadedConversations, target: ResolvedTarget,
                        num_layers: int, existing: dict[str, Any] | None) -> dict[str, Any]:
         extra = {
+            cf.OPTIONS_KEY: self.options.recorded(list(identity["layer_ids"])),
             "target": {"name": target.display_name, "num_hidden_layers": num_layers},
             "data": {"source": data.source, "conversations": len(data.conversations), "skipped_on_load": data.skipped},
         }
@@ -212,7 +264,15 @@ class Supervisor:
             if existing is not None:
                 differences = cf.identity_mismatch(existing["identity"], identity)
                 if not differences:
+                    if cf.OPTIONS_KEY not in existing:  # made by an older dflash: these options made the same cache
+                        existing[cf.OPTIONS_KEY] = extra[cf.OPTIONS_KEY]
+                        cf.write_json_atomic(self.cache_dir / cf.MANIFEST_FILE, existing)
                     return existing
+                if self.options.redo:
+                    raise ExtractRefused(
+                        f"--repair: the shards of {self.cache_dir} cannot be redone as they were made, the "
+                        "recorded inputs changed:\n  " + "\n  ".join(differences)
+                        + "\nrestore them, or extract the whole cache again into another --out")
                 if not self.options.overwrite:
                     raise ExtractRefused(
                         f"the cache {self.cache_dir} was extracted with different settings:\n  "
@@ -236,7 +296,7 @@ class Supervisor:
             if self.options.only_shards
             else list(range(num_shards))
         )
-        if not self.options.overwrite:
+        if not (self.options.overwrite or self.options.redo):
             wanted = [i for i in wanted if manifest["shards"][str(i)].get("status") != cf.SHARD_DONE]
         locks_dir = self.cache_dir / cf.LOCKS_DIR
         locks_dir.mkdir(parents=True, exist_ok=True)
@@ -261,6 +321,7 @@ class Supervisor:
     # ------------------------------------------------------------------------------------------ running
 
     def run(self) -> int:
+        refuse_foreign_folder(self.cache_dir, cf.CACHE_ENTRIES, "dflash cache")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         setup_logging(self.log_file, verbose=self.options.verbose)
         print(f"dflash extract: cache directory {self.cache_dir} (log: {self.log_file})", file=sys.stderr)
@@ -313,13 +374,13 @@ class Supervisor:
                                       name=f"dflash-extract-{worker_id}", daemon=True)
             process.start()
             self.processes.append(process)
-        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_interrupt)}
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, raise_interrupt)}
         try:
             return self._event_loop(set(shards), total_samples, events)
         except KeyboardInterrupt as interrupt:
-            signum = interrupt.args[0] if interrupt.args else signal.SIGINT
+            signum = interrupt_signal(interrupt)
             log.warning("interrupted (%s): stopping workers; rerun the same command to resume",
-                        signal.Signals(signum).name)
+                        signum.name)
             self._stop_workers()
             self._reset_running_shards(shards, cf.SHARD_PENDING)
             self._write_run_status("interrupted", {})
@@ -412,6 +473,20 @@ class Supervisor:
                    f"{tokens} tokens, {truncated} truncated, skipped {skipped or 'none'}")
         log.info(message)
         print(message, file=sys.stderr)
+        if samples == 0 and len(done) == len(manifest["shards"]):
+            raise UserError(empty_cache_cause(self.cache_dir, skipped, self.options.max_length,
+                                              self.options.overlength))
+
+
+def empty_cache_cause(cache_dir: Path, skipped: dict[str, int], max_length: int, overlength: str) -> str:
+    """Why an extraction that finished every shard stored no sample, and what to change."""
+    counts = ", ".join(f"{reason}: {count}" for reason, count in sorted(skipped.items())) or "none"
+    cause = f"the cache {cache_dir} holds 0 samples: every conversation was skipped ({counts})"
+    if skipped.get("too_long") or skipped.get("no_assistant_tokens"):
+        kept = "whole" if overlength == "skip" else "cut at --max-length"
+        return (f"{cause}; with --max-length {max_length} no conversation ({kept}) keeps 2 assistant tokens to "
+                "learn from: raise --max-length (and rerun with --overwrite --yes)")
+    return f"{cause}; check the data and its chat template (see {cache_dir / cf.LOG_FILE})"
 
 
 class Progress:
@@ -474,10 +549,6 @@ def _format_seconds(seconds: float | None) -> str:
     if seconds is None:
         return "?"
     return time.strftime("%H:%M:%S", time.gmtime(seconds))
-
-
-def _raise_interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(signum)
 
 
 def run_extract(options: ExtractOptions) -> int:

@@ -30,6 +30,26 @@ def save_checkpoint(run: TrainingRun) -> None:
     if run.is_main:
         (path / CHECKPOINT_COMPLETE_FILE).write_text(str(run.state.step))
         log.info("checkpoint %s", path)
+        prune_checkpoints(run.files, run.options.keep_checkpoints)
+
+
+def prune_checkpoints(files: RunFiles, keep: int) -> list[Path]:
+    """--keep-checkpoints: delete all but the newest `keep` complete checkpoints (0 = keep all), and the unfinished
+    ones older than the newest complete one (left by a killed save); returns what was deleted."""
+    import shutil
+
+    complete = files.complete_checkpoints()
+    if not complete:
+        return []
+    newest = int(complete[-1].name.split("-")[1])
+    unfinished = [p for p in files.checkpoints.glob("step-*") if p not in complete
+                  and p.name.split("-")[1].isdigit() and int(p.name.split("-")[1]) < newest]
+    doomed = (complete[:-keep] if keep else []) + unfinished
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    if doomed:
+        log.debug("--keep-checkpoints %d: deleted %s", keep, ", ".join(p.name for p in doomed))
+    return doomed
 
 
 def has_checkpoint(run: TrainingRun) -> bool:

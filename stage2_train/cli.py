@@ -21,11 +21,13 @@ from dflash.stage2_train.options import TrainOptions
                    "17x slower in benchmarks/results/remote_loader_moto_cpu.json.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("dflash_run"), show_default=True,
               help="Run directory: logs, metrics, TensorBoard, plots, checkpoints/, export/.")
-@click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Passes over the training split (each with a new shuffle and new anchors).")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N optimizer steps.")
 @click.option("--draft-layers", type=click.IntRange(1, 16), default=None,
               help="Drafter layers. Default: the number of captured target layers.")
-@click.option("--block-size", type=click.IntRange(2, 64), default=TrainOptions.block_size, show_default=True)
+@click.option("--block-size", type=click.IntRange(2, 64), default=TrainOptions.block_size, show_default=True,
+              help="Tokens the drafter proposes per block (the first is the target's own token).")
 @click.option("--sliding-window", type=click.IntRange(min=1), default=None,
               help="Make every drafter layer but the last a sliding-window layer of this many positions.")
 @click.option("--mask-token-id", type=int, default=None,
@@ -33,14 +35,16 @@ from dflash.stage2_train.options import TrainOptions
 @click.option("--loss", type=click.Choice(list(OBJECTIVES)), default="ce", show_default=True,
               help="Training objective (stage2_train/objective.py): ce = the reference's gamma-weighted "
                    "cross-entropy on the target's tokens.")
-@click.option("--lr", type=float, default=TrainOptions.lr, show_default=True)
+@click.option("--lr", type=float, default=TrainOptions.lr, show_default=True,
+              help="Peak learning rate of AdamW (warm-up, then cosine to 0).")
 @click.option("--warmup", type=float, default=0.04, show_default=True, help="Warm-up fraction of the steps.")
-@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--weight-decay", type=float, default=0.0, show_default=True, help="AdamW weight decay.")
 @click.option("--clip", type=float, default=1.0, show_default=True, help="Gradient-norm clip (0 = off).")
 @click.option("--batch-tokens", type=click.IntRange(min=16), default=TrainOptions.batch_tokens, show_default=True,
               help="Tokens per micro-batch (per process): the packed context tokens of its sequences plus their "
                    "block tokens (anchors x block size).")
-@click.option("--grad-accum", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--grad-accum", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Micro-batches per optimizer step (per process).")
 @click.option("--anchor-density", type=click.FloatRange(0, 1, min_open=True), default=TrainOptions.anchor_density,
               show_default="1/6",
               help="Anchors (blocks) drawn per sequence and epoch, as a fraction of its anchor positions (pairs of "
@@ -49,15 +53,25 @@ from dflash.stage2_train.options import TrainOptions
 @click.option("--max-anchors", type=click.IntRange(min=1), default=TrainOptions.max_anchors, show_default=True,
               help="Cap on the anchors per sequence and epoch (the reference draws 512 in 3,072-token sequences).")
 @click.option("--gamma", type=float, default=None, help="Loss decay over block positions (default 7 for B=16).")
-@click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
-@click.option("--eval-every", type=click.IntRange(min=0), default=200, show_default=True)
-@click.option("--eval-sequences", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=500, show_default=True)
+@click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=0.05, show_default=True,
+              help="Fraction of the cache's samples held out for evaluation (never trained on).")
+@click.option("--eval-every", type=click.IntRange(min=0), default=200, show_default=True,
+              help="Evaluate on the held-out split every N steps (0 = only at the end).")
+@click.option("--eval-sequences", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Held-out sequences per evaluation.")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=500, show_default=True,
+              help="Save a resumable checkpoint every N steps (0 = only at the end).")
+@click.option("--keep-checkpoints", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Keep the newest N checkpoints, delete older ones (0 = keep all).")
 @click.option("--resume", is_flag=True, help="Continue exactly from the latest checkpoint in --out.")
+@click.option("--overwrite", is_flag=True,
+              help="Discard the run already in --out (metrics, checkpoints, exports; logs are kept) and start afresh. "
+                   "Without it or --resume an existing run is refused.")
 @click.option("--init-from", type=click.Path(path_type=Path), default=None, metavar="EXPORT_DIR",
               help="Start from the weights of an exported drafter of the same shape and target (a new optimizer and "
                    "schedule): train on across sessions, or fine-tune on other data.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the split, the shuffles, the anchors and the initial weights.")
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa", "eager"]), default="auto", show_default=True,
               help="auto = flex_attention on CUDA for drafters of hidden size >= 2048 (SDPA is faster below: "
                    "measured), SDPA with an explicit mask on CPU.")
@@ -65,7 +79,8 @@ from dflash.stage2_train.options import TrainOptions
               help="torch.compile each drafter layer, in each training process (masks are built eagerly).")
 @click.option("--fsdp", is_flag=True,
               help="Shard the drafter with FSDP instead of DDP (GPUs only; eval and export gather the weights).")
-@click.option("--mixed-precision", type=click.Choice(["auto", "bf16", "no"]), default="auto", show_default=True)
+@click.option("--mixed-precision", type=click.Choice(["auto", "bf16", "no"]), default="auto", show_default=True,
+              help="auto = bf16 on CUDA, float32 on CPU.")
 @click.option("--num-workers", type=click.IntRange(min=0), default=2, show_default=True, help="DataLoader workers.")
 @click.option("--memory-limit", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
               help="Memory a training step may use, in GiB (default: what the device has free when the run starts). "
@@ -74,7 +89,7 @@ from dflash.stage2_train.options import TrainOptions
 @click.option("--processes", type=click.IntRange(min=1), default=None,
               help="Training processes to spawn on this machine (default: one per GPU, 1 on CPU). "
                    "`accelerate launch -m dflash.shared.cli train ...` works too.")
-@click.option("-v", "--verbose", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True, help="Debug messages on the console.")
 def train_command(processes: int | None, compile_: bool, **kwargs: object) -> None:
     """Stage 2: train a DFlash drafter from a feature cache, measure its offline acceptance, export it.
 
@@ -83,6 +98,14 @@ def train_command(processes: int | None, compile_: bool, **kwargs: object) -> No
     length tau (a greedy decoding walk over cached features). The export lands in OUT/export/; the drafter of
     the best held-out evaluation after step 0 in OUT/export_best/ (with best.json: its step and tau).
     """
+    from dflash.shared.interrupts import exit_on_interrupt, rerun_command
+
+    resume = rerun_command("--resume", drop_flags=("--overwrite",))
+    with exit_on_interrupt("train", f"the last checkpoint is kept; continue with: {resume}"):
+        _train(processes, compile_, kwargs)
+
+
+def _train(processes: int | None, compile_: bool, kwargs: dict[str, object]) -> None:
     import os
 
     import torch
@@ -144,15 +167,20 @@ def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> 
                    "a JSONL/JSON file of conversations, or a comma-separated list of these.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("dflash_eval"), show_default=True,
               help="Where eval.json, eval.md and eval.png go.")
-@click.option("--max-samples", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-samples", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Prompts per dataset.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens generated per prompt (by each decoding method).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="0 = greedy (checked against plain greedy decoding on every prompt); > 0 = rejection sampling.")
 @click.option("--model", default=None, help="Target model (default: the one recorded with the drafter).")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads (0 = torch default).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (with --temperature > 0).")
+@click.option("--allow-target-mismatch", is_flag=True,
+              help="Evaluate even when the target's content hash differs from the one the drafter was trained for "
+                   "(recorded in its dflash_target.json).")
 def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_new_tokens: int, temperature: float,
-                 model: str | None, threads: int, seed: int) -> None:
+                 model: str | None, threads: int, seed: int, allow_target_mismatch: bool) -> None:
     """Speculative decoding with the target and an exported drafter: acceptance length tau, acceptance by block
     position, tokens/s and speedup against plain autoregressive decoding and prompt-lookup decoding, measured in
     the same run. Greedy mode must reproduce the target's own greedy output."""
@@ -164,8 +192,11 @@ def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_ne
     if threads:
         torch.set_num_threads(threads)
     setup_logging(Path(out) / "eval.log")
-    result = run_eval(draft_dir, data, out, max_samples, max_new_tokens, temperature=temperature, model=model,
-                      seed=seed)
+    from dflash.shared.interrupts import exit_on_interrupt
+
+    with exit_on_interrupt("eval", "nothing is kept of an unfinished evaluation: rerun the same command"):
+        result = run_eval(draft_dir, data, out, max_samples, max_new_tokens, temperature=temperature, model=model,
+                          seed=seed, allow_target_mismatch=allow_target_mismatch)
     click.echo((Path(out) / "eval.md").read_text() if (Path(out) / "eval.md").is_file() else json_dump(result))
 
 

@@ -65,8 +65,7 @@ class Sample(NamedTuple):
 
 
 def repair_hint(cache_dir: Path, shard: int) -> str:
-    return (f"re-extract it with `dflash extract --out {cache_dir} --only-shards {shard} --overwrite` "
-            "(same --model/--data options as the original run)")
+    return f"re-extract it with `{cf.repair_command(cache_dir)}`"
 
 
 def _shard_error(cache_dir: Path, shard: int, problem: str) -> CacheError:

@@ -222,6 +222,27 @@ def check_compatibility(draft: Any, target: Any, info: Mapping[str, Any], draft_
                         + " (pass --model with the target it was trained for)")
 
 
+def check_target_identity(info: Mapping[str, Any], resolved: Any, draft_dir: Path, allow_mismatch: bool) -> None:
+    """Refuse a target whose content differs from the one the drafter was trained for (its export records the
+    hash of the target's config and weights): a target of the same shape passes every size check and would be
+    measured with a drafter that never saw its features. `allow_mismatch` (--allow-target-mismatch) warns only."""
+    from dflash.shared.target_loading import target_content_hash
+
+    trained_for = info.get("target_hash")
+    if not trained_for:
+        log.warning("%s does not record the hash of its target: it cannot be checked", draft_dir)
+        return
+    loaded = target_content_hash(resolved.load_path)
+    if loaded == trained_for:
+        return
+    message = (f"drafter {draft_dir} was trained for target {info.get('target_source') or 'embedded'} (hash "
+               f"{trained_for[:16]}), the target {resolved.display_name} has hash {loaded[:16]}")
+    if not allow_mismatch:
+        raise UserError(f"{message}: pass --model with the target it was trained for, or --allow-target-mismatch "
+                        "to measure it anyway")
+    log.warning("--allow-target-mismatch: %s", message)
+
+
 def _resolve_target_source(info: Mapping[str, Any], model: str | None, draft_dir: Path) -> Any:
     from dflash.shared.target_loading import resolve_target
 
@@ -457,6 +478,7 @@ def run_eval(
     model: str | None = None,
     device: str = "auto",
     seed: int = 0,
+    allow_target_mismatch: bool = False,
 ) -> dict[str, Any]:
     """Evaluate an exported drafter against its target on one or more datasets; write eval.json/.md/.png."""
     from dflash.shared.target_loading import load_target_model, load_tokenizer, stop_token_ids
@@ -481,7 +503,8 @@ def run_eval(
 
     draft = load_draft(draft_dir)
     target = load_target_model(resolved.load_path, device)
-    check_compatibility(draft, target, info, draft_dir)
+    check_compatibility(draft, target, info, draft_dir)  # sizes first: the clearest message
+    check_target_identity(info, resolved, draft_dir, allow_target_mismatch)
     tokenizer = load_tokenizer(resolved.load_path)
     stops = stop_token_ids(resolved.load_path, tokenizer)
     target_dtype = next(target.parameters()).dtype
@@ -505,10 +528,13 @@ def run_eval(
     prompt_lookup_generate(target, first, 4, stops)
 
     datasets: dict[str, Any] = {}
+    total_prompts = sum(len(prompts) for prompts in prompts_by_dataset.values())
+    started, done = time.time(), 0
     for name, prompts in prompts_by_dataset.items():
         runs: dict[str, list[SpecResult]] = {"dflash": [], "plain": [], "prompt_lookup": []}
         samples: list[dict[str, Any]] = []
         for prompt in prompts:
+            prompt_started = time.time()
             ids = prompt.ids or tokenize_prompt(tokenizer, prompt.messages)
             spec = dflash(ids, max_new_tokens)
             plain = greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature, generator=generator)
@@ -524,9 +550,12 @@ def run_eval(
             runs["dflash"].append(spec)
             runs["plain"].append(plain)
             runs["prompt_lookup"].append(lookup)
-            log.info("%s %s: %d tokens, tau %.2f, %.1f / %.1f / %.1f tok/s (dflash / plain / lookup)", name,
-                     prompt.id, len(spec.tokens), spec.tau, spec.tokens_per_second, plain.tokens_per_second,
-                     lookup.tokens_per_second)
+            done += 1
+            log.info("[%d/%d] %s %s: %d tokens, tau %.2f, %.1f / %.1f / %.1f tok/s (dflash / plain / lookup); "
+                     "%.1f s, ETA %s", done, total_prompts, name, prompt.id, len(spec.tokens), spec.tau,
+                     spec.tokens_per_second, plain.tokens_per_second, lookup.tokens_per_second,
+                     time.time() - prompt_started,
+                     time.strftime("%H:%M:%S", time.gmtime((time.time() - started) / done * (total_prompts - done))))
         datasets[name] = _summarise(name, samples, runs, block_size, greedy)
         if any(prompt.cached is not None for prompt in prompts):
             datasets[name]["offline"] = _offline_walk(draft, embed, head, prompts)

@@ -38,7 +38,9 @@ class TrainOptions:
     eval_every: int = 200
     eval_sequences: int = 16
     checkpoint_every: int = 500
+    keep_checkpoints: int = 3
     resume: bool = False
+    overwrite: bool = False
     init_from: Path | None = None
     seed: int = 0
     attention: str = "auto"

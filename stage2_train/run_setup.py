@@ -19,6 +19,7 @@ from dflash.shared import cache_format as cf
 from dflash.shared.errors import UserError
 from dflash.shared.feature_codecs import FeatureCodec, manifest_codec
 from dflash.shared.logs import get_logger, setup_logging
+from dflash.shared.output_dirs import refuse_foreign_folder
 from dflash.shared.run_files import BEST_RECORD_FILE, CONFIG_FILE, RunFiles
 from dflash.stage2_train.data import (
     AnchorRule,
@@ -80,6 +81,7 @@ class TrainingRun:
     memory: MemoryPlan | None = None  # how micro-batches are split to fit the device (`plan_memory`)
     state: TrainState = field(default_factory=TrainState)
     best_tau: float = -math.inf  # the best held-out walk tau after step 0 (export_best/)
+    lock: Any = None  # the run directory's lock, held by the main process until the run ends
 
     @property
     def device(self) -> torch.device:
@@ -139,7 +141,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     """Build a run in order: accelerator and logs, cache and split, drafter, optimizer and schedule, compile; then
     the resume point (checkpoint loaded) and the run's records on disk."""
     files = RunFiles(options.out.resolve())
-    files.root.mkdir(parents=True, exist_ok=True)
+    lock = claim_run_dir(options, files)
     accelerator, precision = make_accelerator(options, files)
     from accelerate.utils import set_seed
 
@@ -165,7 +167,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
         embed=parts.embed_tokens.to(device, compute_dtype), lm_head=parts.lm_head.to(device, compute_dtype),
         position_weights=position_weights(options.block_size, options.gamma or default_gamma(options.block_size),
                                           device=device),
-        bucket_multiple=128 if device.type == "cuda" else 16, steps_per_epoch=0, total_steps=0)
+        bucket_multiple=128 if device.type == "cuda" else 16, steps_per_epoch=0, total_steps=0, lock=lock)
     # Each epoch packs a new shuffle into token-budget micro-batches, so epochs differ in step count.
     run.steps_per_epoch = run.steps_in_epoch(0)
     if run.steps_per_epoch == 0:
@@ -189,6 +191,42 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     if run.is_main:
         write_run_records(run)
     return run
+
+
+def claim_run_dir(options: TrainOptions, files: RunFiles) -> Any:
+    """The main process (RANK 0) takes the run directory: refuse a folder that is not a run, a run another `dflash
+    train` is writing (its lock is held) and an existing run without --resume or --overwrite (two runs would mix
+    their metrics, checkpoints and exports); --overwrite discards the old run's results (logs are kept, appended).
+    Returns the held lock (None on the other processes, which only write their own logs)."""
+    import os
+    import shutil
+
+    from filelock import FileLock, Timeout
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        files.root.mkdir(parents=True, exist_ok=True)
+        return None
+    if options.resume and options.overwrite:
+        raise UserError("--resume continues the run in --out and --overwrite discards it: give one of them")
+    refuse_foreign_folder(files.root, files.entries(), "dflash training run")
+    files.root.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(files.lock), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout as error:
+        raise UserError(f"another `dflash train` is writing into {files.root} (it holds {files.lock}): wait for it "
+                        "to end, or train into another --out") from error
+    if files.is_run() and not (options.resume or options.overwrite):
+        lock.release()
+        raise UserError(f"--out {files.root} already holds a training run: continue it with --resume, discard it "
+                        "with --overwrite, or train into another --out")
+    if options.overwrite:
+        for path in files.results():
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    return lock
 
 
 def make_accelerator(options: TrainOptions, files: RunFiles) -> tuple[Any, str]:
@@ -346,6 +384,13 @@ def resume(run: TrainingRun) -> None:
         if differences:
             raise UserError(f"--resume: the drafter in {run.files.root} does not match:\n  " + "\n  ".join(differences)
                             + "\nresume with the cache and flags the run was started with, or train into a new --out")
+    if run.files.cache_manifest.is_file():
+        made_from = json.loads(run.files.cache_manifest.read_text()).get("identity", {})
+        differences = cf.identity_mismatch(made_from, run.manifest["identity"])
+        if differences:
+            raise UserError(f"--resume: the run in {run.files.root} was trained on another cache:\n  "
+                            + "\n  ".join(differences).replace("cache has", "the run's cache has")
+                            + "\nresume with the cache it was started with, or train into a new --out")
     best = run.files.export_best / BEST_RECORD_FILE
     run.best_tau = float(json.loads(best.read_text())["tau_walk"]) if best.is_file() else -math.inf
     latest = run.files.latest_checkpoint()
@@ -359,7 +404,7 @@ def resume(run: TrainingRun) -> None:
 
 def write_run_records(run: TrainingRun) -> None:
     """What the run was made from, beside its results: options, drafter config, the cache's manifest."""
-    run.files.options.write_text(json.dumps(
-        {k: str(v) if isinstance(v, Path) else v for k, v in asdict(run.options).items()}, indent=2))
+    options = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(run.options).items()}
+    run.files.options.write_text(json.dumps({**options, "total_steps": run.total_steps}, indent=2))
     run.files.draft_config.write_text(json.dumps(run.config.to_dict(), indent=2))
     cf.write_json_atomic(run.files.cache_manifest, run.manifest)

@@ -97,6 +97,8 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
         log.info("exported the drafter to %s (%.1f min)", run.files.export, (time.time() - started) / 60)
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
+    if run.lock is not None:
+        run.lock.release()
     return last_eval
 
 

@@ -38,6 +38,15 @@ def chat_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    """Keep on each test whether its body failed (a fixture's teardown can then report it)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.call_failed = report.failed  # type: ignore[attr-defined]
+
+
 def run_dflash(*args: str, timeout: float = 600, env: dict[str, str] | None = None,
                check: bool = False) -> subprocess.CompletedProcess[str]:
     """Run the real `dflash` CLI in a subprocess (what a user runs)."""

@@ -38,10 +38,10 @@ def _feature_file(cache: Path, shard: int) -> Path:
 def _assert_refused_everywhere(cache: Path, tmp_path: Path, shard: int) -> None:
     verify = run_dflash("inspect", "--cache", str(cache), "--verify")
     assert verify.returncode == 1 and f"shard {shard}" in verify.stdout, verify.stdout + verify.stderr
-    assert f"--only-shards {shard} --overwrite" in verify.stdout
+    assert f"dflash extract --repair --out {cache}" in verify.stdout
     train = run_dflash("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--max-steps", "1")
     assert train.returncode == 2, train.stderr[-2000:]
-    assert f"shard {shard}" in train.stderr and f"--only-shards {shard} --overwrite" in train.stderr
+    assert f"shard {shard}" in train.stderr and f"dflash extract --repair --out {cache}" in train.stderr
     assert "Traceback" not in train.stderr
 
 
@@ -62,15 +62,16 @@ def test_hand_edited_manifest_is_detected_and_refused(baseline_cache: Path, tmp_
     _assert_refused_everywhere(cache, tmp_path, 1)
 
 
-def test_repair_command_from_the_message_fixes_the_cache(baseline_cache: Path, chat_jsonl: Path,
-                                                         tmp_path: Path) -> None:
+def test_repair_command_from_the_message_fixes_the_cache(baseline_cache: Path, tmp_path: Path) -> None:
     cache = _copy(baseline_cache, tmp_path)
     data = bytearray(_feature_file(cache, 0).read_bytes())
     data[100] ^= 1
     _feature_file(cache, 0).write_bytes(bytes(data))
-    assert run_dflash("inspect", "--cache", str(cache), "--verify").returncode == 1
-    fixed = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(cache), "--only-shards", "0", "--overwrite",
-                       *EXTRACT_ARGS)
+    verify = run_dflash("inspect", "--cache", str(cache), "--verify")
+    assert verify.returncode == 1
+    printed = next(line for line in verify.stdout.splitlines() if line.startswith("fix: "))
+    command = printed.removeprefix("fix: dflash ").split(" (")[0].split()  # run exactly what was printed
+    fixed = run_dflash(*command)
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert run_dflash("inspect", "--cache", str(cache), "--verify").returncode == 0
     assert_same_cache(baseline_cache, cache)

@@ -257,7 +257,7 @@ def test_rerun_with_other_layers_is_refused_unless_overwrite(baseline_cache: Pat
     assert "layer_ids" in refused.stderr and "--overwrite" in refused.stderr
     assert_same_cache(baseline_cache, out)  # nothing touched
     redone = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--target-layers", "2,5",
-                        "--overwrite", *EXTRACT_ARGS)
+                        "--overwrite", "--yes", *EXTRACT_ARGS)
     assert redone.returncode == 0, redone.stderr
     manifest = cf.read_manifest(out)
     assert manifest["identity"]["layer_ids"] == [2, 5]
@@ -271,10 +271,10 @@ def test_shards_locked_by_another_run_are_refused(baseline_cache: Path, chat_jso
     shutil.copytree(baseline_cache, out)
     with FileLock(str(out / "locks" / "shard-00001.lock")):
         refused = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--only-shards", "1",
-                             "--overwrite", *EXTRACT_ARGS)
+                             "--overwrite", "--yes", *EXTRACT_ARGS)
         assert refused.returncode == 3 and "another running" in refused.stderr
         other = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--only-shards", "0,2",
-                           "--overwrite", *EXTRACT_ARGS)
+                           "--overwrite", "--yes", *EXTRACT_ARGS)
         assert other.returncode == 0, other.stderr
     assert_same_cache(baseline_cache, out)
 
@@ -292,7 +292,7 @@ def test_verify_detects_a_flipped_byte_and_names_the_fix(baseline_cache: Path, t
     chunk.write_bytes(bytes(data))
     damaged = run_dflash("inspect", "--cache", str(out), "--verify")
     assert damaged.returncode == 1
-    assert "shard 1" in damaged.stdout and "--only-shards 1 --overwrite" in damaged.stdout
+    assert "shard 1" in damaged.stdout and f"dflash extract --repair --out {out}" in damaged.stdout
 
 
 def test_status_reports_a_dead_run_as_dead(baseline_cache: Path, tmp_path: Path) -> None:

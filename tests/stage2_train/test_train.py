@@ -310,7 +310,7 @@ def test_export_command_exports_the_latest_checkpoint_also_an_fsdp_one(train_cac
     empty = tmp_path / "empty"
     (empty / "checkpoints" / "step-00000001").mkdir(parents=True)
     (empty / "checkpoints" / "step-00000001" / "complete").write_text("1")
-    (RunFiles(empty).draft_config).write_text(json.dumps(config.to_dict()))
+    RunFiles(empty).draft_config.write_text(json.dumps(config.to_dict()))
     refused = run_dflash("export", "--run", str(empty))
     assert refused.returncode == 2 and "holds neither model.safetensors" in refused.stderr, refused.stderr[-2000:]
 
@@ -331,7 +331,7 @@ def test_train_refuses_a_damaged_cache_naming_the_shard(train_cache: Path, tmp_p
     shutil.rmtree(cf.shard_path(cache, 1))
     result = run_dflash("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--max-steps", "1")
     assert result.returncode == 2
-    assert "shard 1" in result.stderr and "--only-shards 1 --overwrite" in result.stderr
+    assert "shard 1" in result.stderr and f"dflash extract --repair --out {cache}" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -382,3 +382,19 @@ def test_memory_plan_splits_micro_batches_to_the_same_losses_or_refuses(train_ca
     line = refused.stderr.strip().splitlines()[-1]
     assert line.startswith("dflash: error: one training step on the longest sequence") and "--max-anchors" in line
     assert "Traceback" not in refused.stderr and not (tmp_path / "refused" / "checkpoints").exists()
+
+
+def test_keep_checkpoints_deletes_all_but_the_newest(tmp_path: Path) -> None:
+    from dflash.shared.run_files import RunFiles
+    from dflash.stage2_train.checkpoints import prune_checkpoints
+
+    files = RunFiles(tmp_path / "run")
+    for step in (2, 4, 6, 8):
+        files.checkpoint(step).mkdir(parents=True)
+        (files.checkpoint(step) / "complete").write_text(str(step))
+    files.checkpoint(5).mkdir()  # a save killed half-way, older than the newest complete one
+    files.checkpoint(9).mkdir()  # a save in progress: newer, left alone
+    deleted = prune_checkpoints(files, keep=2)
+    assert sorted(p.name for p in deleted) == ["step-00000002", "step-00000004", "step-00000005"]
+    assert sorted(p.name for p in files.checkpoints.iterdir()) == ["step-00000006", "step-00000008", "step-00000009"]
+    assert prune_checkpoints(files, keep=0) == []  # 0 keeps every complete checkpoint

@@ -414,7 +414,7 @@ def _copy(cache: Path, tmp_path: Path) -> Path:
 def _assert_names_shard(error: pytest.ExceptionInfo, cache: Path, shard: int) -> None:
     message = str(error.value)
     assert f"shard {shard}" in message and cf.shard_name(shard) in message
-    assert f"dflash extract --out {cache} --only-shards {shard} --overwrite" in message
+    assert f"dflash extract --repair --out {cache}" in message
 
 
 def test_missing_shard_store_is_named(cache: Path, tmp_path: Path) -> None:

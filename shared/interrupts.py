@@ -1,0 +1,61 @@
+"""Ctrl-C and SIGTERM, the same for every command: exit code 128 + the signal (130 / 143) and one line saying how
+to go on, instead of click's bare "Aborted!" and exit code 1."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+_OWNER = {"pid": os.getpid()}
+
+
+def raise_interrupt(signum: int, _frame: Any) -> None:
+    """A signal handler that turns SIGTERM into KeyboardInterrupt(SIGTERM), so one `except` handles both. A forked
+    child (a DataLoader worker) inherits it but must simply end as its parent stops it: there it restores the
+    default action and takes the signal again."""
+    if os.getpid() != _OWNER["pid"]:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise KeyboardInterrupt(signum)
+
+
+def interrupt_signal(interrupt: KeyboardInterrupt) -> signal.Signals:
+    """The signal behind a KeyboardInterrupt (SIGINT for a plain Ctrl-C)."""
+    return signal.Signals(interrupt.args[0] if interrupt.args else signal.SIGINT)
+
+
+def rerun_command(add_flag: str | None = None, drop_flags: tuple[str, ...] = ()) -> str:
+    """The command line this process was started with, as `dflash ...`, with `add_flag` added (once) and the
+    flags in `drop_flags` left out."""
+    args = [a for a in sys.argv[1:] if a not in drop_flags]
+    if add_flag and add_flag not in args:
+        args.append(add_flag)
+    return shlex.join(["dflash", *args])
+
+
+@contextmanager
+def exit_on_interrupt(command: str, how_to_go_on: str) -> Iterator[None]:
+    """Run a command's body with SIGTERM raising KeyboardInterrupt; on either, print `dflash COMMAND:
+    interrupted (SIGINT); HOW_TO_GO_ON` and exit 128 + the signal number."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    _OWNER["pid"] = os.getpid()
+    previous = signal.signal(signal.SIGTERM, raise_interrupt) if main_thread else None
+    try:
+        yield
+    except KeyboardInterrupt as interrupt:
+        if os.getpid() != _OWNER["pid"]:  # a forked child unwinding the stack it copied: not ours to report
+            raise
+        signum = interrupt_signal(interrupt)
+        print(f"dflash {command}: interrupted ({signum.name}); {how_to_go_on}", file=sys.stderr)
+        sys.exit(128 + int(signum))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,249 @@
+"""A new user's bad-input tour (issue #19): each case ends in a clear one-line error or a safe result, checked by
+its exit code, its message and the bytes on disk before and after.
+
+Under `make reliability` (DFLASH_RELIABILITY_REPORT=1) each case is also a row of the reliability table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dflash.shared import cache_format as cf
+from tests.cache_compare import assert_same_cache
+from tests.conftest import REPO, run_dflash
+
+TRAIN_ARGS = ("--draft-layers", "1", "--max-anchors", "24", "--batch-tokens", "768", "--num-workers", "1",
+              "--eval-fraction", "0.15", "--eval-sequences", "6", "--mixed-precision", "no")
+
+
+def tree_bytes(folder: Path) -> dict[str, str]:
+    """Every file below `folder` (relative path -> sha256 of its bytes)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def flip_feature_byte(cache: Path, shard: int) -> None:
+    path = cf.shard_path(cache, shard) / "features" / "c" / "0" / "0"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def one_line_error(stderr: str) -> str:
+    """The error line of a refused command; it must be the only non-log line and carry no traceback."""
+    assert "Traceback" not in stderr and "DataLoader worker" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("dflash: error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    return errors[0]
+
+
+@pytest.fixture(autouse=True)
+def reliability_row(request: pytest.FixtureRequest) -> object:
+    """Under `make reliability`: record this case in the reliability table (a failed case counts as data lost)."""
+    yield
+    if os.environ.get("DFLASH_RELIABILITY_REPORT"):
+        from tests.end_to_end.test_reliability import _record
+
+        failed = bool(getattr(request.node, "call_failed", True))
+        _record(f"bad input: {request.node.originalname.removeprefix('test_')[:40]}", not failed, int(failed))
+
+
+@pytest.fixture(scope="module")
+def trained_run(baseline_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("tour") / "run"
+    run_dflash("train", "--cache", str(baseline_cache), "--out", str(run), "--max-steps", "2", *TRAIN_ARGS,
+               check=True)
+    return run
+
+
+# ------------------------------------------------------------------------- 1. repair, never a destroyed cache
+
+
+def test_overwrite_of_an_existing_cache_is_refused_without_yes(baseline_cache: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(baseline_cache, cache)
+    before = tree_bytes(cache)
+    # The command the old `inspect --verify` printed, run as printed (defaults for everything else).
+    result = run_dflash("extract", "--out", str(cache), "--only-shards", "1", "--overwrite")
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "--yes" in result.stderr and f"dflash extract --repair --out {cache}" in result.stderr
+    assert tree_bytes(cache) == before
+
+
+def test_repair_of_a_cache_without_recorded_options_is_refused(baseline_cache: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(baseline_cache, cache)
+    manifest = json.loads((cache / cf.MANIFEST_FILE).read_text())
+    del manifest[cf.OPTIONS_KEY]
+    (cache / cf.MANIFEST_FILE).write_text(json.dumps(manifest))
+    flip_feature_byte(cache, 1)
+    before = tree_bytes(cache)
+    result = run_dflash("extract", "--repair", "--out", str(cache))
+    assert result.returncode == 3 and "does not record the options" in result.stderr, result.stderr[-2000:]
+    assert tree_bytes(cache) == before
+    mixed = run_dflash("extract", "--repair", "--out", str(cache), "--max-length", "64")
+    assert mixed.returncode == 2 and "leave out --max-length" in mixed.stderr
+
+
+@settings(max_examples=2, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(damaged=st.sets(st.integers(0, 2), min_size=1, max_size=2))
+def test_repair_leaves_healthy_shards_byte_identical(baseline_cache: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                     damaged: set[int]) -> None:
+    cache = tmp_path_factory.mktemp("repair") / "cache"
+    shutil.copytree(baseline_cache, cache)
+    for shard in damaged:
+        flip_feature_byte(cache, shard)
+    healthy = {s: tree_bytes(cf.shard_path(cache, s)) for s in range(3) if s not in damaged}
+    result = run_dflash("extract", "--repair", "--out", str(cache))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"repairing shards {sorted(damaged)}" in result.stderr
+    assert {s: tree_bytes(cf.shard_path(cache, s)) for s in healthy} == healthy
+    assert_same_cache(baseline_cache, cache)  # the damaged shards hold again exactly what they held
+
+
+# ---------------------------------------------------------------- 2. eval of a drafter made for another target
+
+
+def test_eval_refuses_a_drafter_trained_for_another_target(trained_run: Path, tmp_path: Path) -> None:
+    export = tmp_path / "export"
+    shutil.copytree(trained_run / "export", export)
+    info = json.loads((export / "dflash_target.json").read_text())
+    info["target_hash"] = "0" * 64
+    (export / "dflash_target.json").write_text(json.dumps(info))
+    result = run_dflash("eval", "--draft", str(export), "--data", "mtbench", "--max-samples", "1",
+                        "--max-new-tokens", "4", "--out", str(tmp_path / "eval"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = one_line_error(result.stderr)
+    assert "0000000000000000" in line and "--allow-target-mismatch" in line
+    assert not (tmp_path / "eval" / "eval.json").exists()
+
+
+# ------------------------------------------------------------------------ 3. two trainings into one run folder
+
+
+def test_train_into_an_existing_run_without_resume_is_refused(trained_run: Path, baseline_cache: Path,
+                                                              tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    before = tree_bytes(run)
+    result = run_dflash("train", "--cache", str(baseline_cache), "--out", str(run), "--max-steps", "2", *TRAIN_ARGS)
+    assert result.returncode == 2
+    line = one_line_error(result.stderr)
+    assert "already holds a training run" in line and "--resume" in line and "--overwrite" in line
+    assert tree_bytes(run) == before
+
+
+def test_second_train_into_a_run_being_written_is_refused(baseline_cache: Path, tmp_path: Path) -> None:
+    from filelock import FileLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with FileLock(str(run / "train.lock")):  # what a running `dflash train` holds
+        result = run_dflash("train", "--cache", str(baseline_cache), "--out", str(run), "--max-steps", "2",
+                            *TRAIN_ARGS)
+    assert result.returncode == 2
+    assert "another `dflash train` is writing into" in one_line_error(result.stderr)
+    assert sorted(p.name for p in run.iterdir()) == ["train.lock"]
+
+
+# ------------------------------------------------------------------------ 4. output folders that are not ours
+
+
+def test_commands_refuse_an_output_folder_that_is_not_theirs(trained_run: Path, baseline_cache: Path,
+                                                             chat_jsonl: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    before = tree_bytes(run)
+    for command in ("extract", "generate"):
+        result = run_dflash(command, "--data", str(chat_jsonl), "--out", str(run), "--max-samples", "2")
+        assert result.returncode == 2, (command, result.stderr[-2000:])
+        assert "is not empty and is not a dflash" in one_line_error(result.stderr)
+        assert tree_bytes(run) == before
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    result = run_dflash("train", "--cache", str(baseline_cache), "--out", str(mine), "--max-steps", "2", *TRAIN_ARGS)
+    assert result.returncode == 2
+    assert "is not empty and is not a dflash training run" in one_line_error(result.stderr)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+# -------------------------------------------------------------------------------- 5. a cache of 0 samples
+
+
+def test_extract_that_keeps_no_sample_is_an_error(chat_jsonl: Path, tmp_path: Path) -> None:
+    result = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(tmp_path / "cache"), "--max-length", "8",
+                        "--max-samples", "3", "--workers", "1")
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = one_line_error(result.stderr)
+    assert "0 samples" in line and "no_assistant_tokens: 3" in line and "--max-length 8" in line
+
+
+# ------------------------------------------------------------------ 6. a damaged shard read by a loader worker
+
+
+def test_damaged_shard_in_a_dataloader_worker_is_one_line(baseline_cache: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(baseline_cache, cache)
+    flip_feature_byte(cache, 1)  # same size: passes the checks at start, fails when a loader worker reads it
+    run = tmp_path / "run"
+    args = list(TRAIN_ARGS)
+    args[args.index("--num-workers") + 1] = "2"
+    result = run_dflash("train", "--cache", str(cache), "--out", str(run), "--max-steps", "2", "--eval-every", "0",
+                        *args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = one_line_error(result.stderr)
+    assert "shard 1" in line and f"dflash extract --repair --out {cache}" in line
+    log = (run / "train.log").read_text()
+    assert "DataLoader worker" in log and "Traceback" in log  # the traceback: in the log only
+
+
+# ------------------------------------------------------------------------------------ 7. Ctrl-C in train
+
+
+def test_ctrl_c_in_train_exits_130_and_prints_the_resume_command(baseline_cache: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = ["train", "--cache", str(baseline_cache), "--out", str(run), "--max-steps", "500", "--eval-every", "0",
+            "--checkpoint-every", "1", *TRAIN_ARGS]
+    process = subprocess.Popen([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, text=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").is_file() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-2000:]
+    assert "Aborted!" not in stderr and "Traceback" not in stderr
+    assert "interrupted (SIGINT)" in stderr and "--resume" in stderr and str(run) in stderr
+    assert 1 <= len(list((run / "checkpoints").glob("*/complete"))) <= 3  # --keep-checkpoints 3 by default
+
+
+# ------------------------------------------------------------------------------------ small first-day things
+
+
+def test_status_reports_a_training_run(trained_run: Path) -> None:
+    from click.testing import CliRunner
+    from filelock import FileLock
+
+    from dflash.shared.cli import dflash
+
+    result = CliRunner().invoke(dflash, ["status", "--cache", str(trained_run)])
+    assert result.exit_code == 0, result.output
+    assert f"training run {trained_run}: finished, step 2/2" in result.output
+    assert "latest checkpoint: step-00000002" in result.output
+    with FileLock(str(trained_run / "train.lock")):  # what a running `dflash train` holds
+        report = json.loads(CliRunner().invoke(dflash, ["status", "--cache", str(trained_run), "--json"]).output)
+    assert report["state"] == "running" and report["step"] == 2 and report["tau"] is not None

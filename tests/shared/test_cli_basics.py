@@ -1,0 +1,68 @@
+"""The behaviour every command shares: --version, interrupts (exit 130 / 143 and the way on), and one-line errors
+also for errors raised in DataLoader worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from click.testing import CliRunner
+
+from dflash.shared.cli import dflash
+from dflash.shared.errors import UserError, user_facing_errors, user_message
+from dflash.shared.interrupts import exit_on_interrupt, rerun_command
+
+
+def test_version_names_the_installed_package() -> None:
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(dflash, ["--version"])
+    assert result.exit_code == 0 and result.output == f"dflash {version('dflash')}\n"
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_interrupt_exits_128_plus_the_signal_with_the_way_on(signum: signal.Signals, code: int,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped, exit_on_interrupt("train", "continue with: dflash train --resume"):
+        os.kill(os.getpid(), signum)
+    assert stopped.value.code == code
+    assert capsys.readouterr().err == f"dflash train: interrupted ({signum.name}); continue with: dflash train --resume\n"
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is restored
+
+
+def test_rerun_command_adds_resume_once_and_drops_overwrite(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.argv", ["cli.py", "train", "--out", "my run", "--overwrite"])
+    assert rerun_command("--resume", drop_flags=("--overwrite",)) == "dflash train --out 'my run' --resume"
+    monkeypatch.setattr("sys.argv", ["cli.py", "train", "--resume"])
+    assert rerun_command("--resume") == "dflash train --resume"
+
+
+class ShardProblem(UserError):
+    pass
+
+
+def test_an_error_from_a_dataloader_worker_is_shown_as_its_own_message(capsys: pytest.CaptureFixture[str]) -> None:
+    # What torch's ExceptionWrapper.reraise builds in the main process for an error in a loader worker.
+    remote = ShardProblem("Caught ShardProblem in DataLoader worker process 1.\nOriginal Traceback (most recent "
+                          "call last):\n  File \"data.py\", line 510, in __iter__\n    raise _shard_error(...)\n"
+                          "tests.shared.test_cli_basics.ShardProblem: shard 1 could not be read; re-extract it\n")
+    assert user_message(remote) == "shard 1 could not be read; re-extract it"
+    assert user_message(ShardProblem("plain message")) == "plain message"
+    with pytest.raises(SystemExit) as stopped, user_facing_errors():
+        raise remote
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == "dflash: error: shard 1 could not be read; re-extract it\n"
+
+
+def test_every_option_of_every_command_has_help_text() -> None:
+    import click
+
+    from dflash.shared.cli import SUBCOMMANDS
+
+    context = click.Context(dflash)
+    missing = [f"{name} {param.opts[-1]}" for name in SUBCOMMANDS
+               for param in dflash.get_command(context, name).params  # type: ignore[union-attr]
+               if isinstance(param, click.Option) and not param.help]
+    assert missing == []
