@@ -52,6 +52,19 @@ def decoder_layers(model: Any) -> torch.nn.ModuleList:
     return layers
 
 
+def embedding_scale(model: Any) -> float:
+    """The factor `model`'s input embedding module multiplies its rows by: transformers' scaled embeddings (Gemma's
+    `Gemma3TextScaledWordEmbedding` & co.) keep it as `scalar_embed_scale` (a float) and `embed_scale`; 1.0 for a
+    plain `nn.Embedding`. The drafter embeds its block with the same factor (stage2_train/target_parts.py)."""
+    module = model.get_input_embeddings()
+    scale = getattr(module, "scalar_embed_scale", None)
+    if scale is None:
+        scale = getattr(module, "embed_scale", None)
+        if scale is not None and hasattr(scale, "is_meta"):
+            scale = None if scale.is_meta else float(scale)
+    return float(scale) if scale is not None else 1.0
+
+
 class _StopForward(Exception):
     """Raised by the deepest captured layer's hook when nothing above it is needed."""
 

@@ -31,6 +31,7 @@ from dflash.shared.target_loading import (
     resolve_target,
     stop_token_ids,
     target_content_hash,
+    target_embedding_scale,
 )
 from dflash.stage1_extract.conversations import LoadedConversations, load_conversations, template_fingerprint
 from dflash.stage1_extract.target_export import export_target_files
@@ -192,7 +193,9 @@ class Supervisor:
         }
         manifest = self._open_manifest(identity, data, target, num_layers, existing)
         stops = stop_token_ids(target.load_path, tokenizer)
-        export_target_files(folder, tokenizer, self.cache_dir / cf.TARGET_DIR, stops)
+        if not (self.cache_dir / cf.TARGET_DIR / cf.EMBEDDINGS_FILE).is_file():
+            export_target_files(folder, tokenizer, self.cache_dir / cf.TARGET_DIR, stops,
+                                embed_scale=target_embedding_scale(target.load_path))
         return manifest, data, target, stops
 
     def _existing_manifest(self) -> dict[str, Any] | None:

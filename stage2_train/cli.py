@@ -143,8 +143,10 @@ def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> 
 @click.option("--model", default=None, help="Target model (default: the one recorded with the drafter).")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads (0 = torch default).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, help="The target's dtype: auto = float32 on CPU (exact greedy equality), bf16 on GPU.")
 def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_new_tokens: int, temperature: float,
-                 model: str | None, threads: int, seed: int) -> None:
+                 model: str | None, threads: int, seed: int, dtype: str) -> None:
     """Speculative decoding with the target and an exported drafter: acceptance length tau, acceptance by block
     position, tokens/s and speedup against plain autoregressive decoding and prompt-lookup decoding, measured in
     the same run. Greedy mode must reproduce the target's own greedy output."""
@@ -157,7 +159,7 @@ def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_ne
         torch.set_num_threads(threads)
     setup_logging(Path(out) / "eval.log")
     result = run_eval(draft_dir, data, out, max_samples, max_new_tokens, temperature=temperature, model=model,
-                      seed=seed)
+                      seed=seed, dtype=dtype)
     click.echo((Path(out) / "eval.md").read_text() if (Path(out) / "eval.md").is_file() else json_dump(result))
 
 

@@ -38,7 +38,9 @@ from dflash.shared.chat_records import prompt_messages
 from dflash.shared.errors import UserError
 from dflash.shared.logs import get_logger
 from dflash.shared.run_files import TARGET_INFO_FILE, run_of_export
+from dflash.shared.target_layers import embedding_scale
 from dflash.stage2_train.export import load_draft, read_target_info
+from dflash.stage2_train.target_parts import scaled_embedding
 from dflash.stage2_train.speculative import (
     SpecResult,
     acceptance_by_position,
@@ -217,6 +219,10 @@ def check_compatibility(draft: Any, target: Any, info: Mapping[str, Any], draft_
         problems.append(f"it was trained for a target of {cfg.num_target_layers} layers, this one has {target_layers}")
     if cfg.mask_token_id is None or not 0 <= int(cfg.mask_token_id) < target_vocab:
         problems.append(f"mask_token_id {cfg.mask_token_id} is not a token of the target")
+    draft_scale = float(getattr(cfg, "embed_scale", 1.0))
+    if abs(draft_scale - embedding_scale(target)) > 1e-6 * max(1.0, draft_scale):
+        problems.append(f"it embeds its block with scale {draft_scale:g}, the target's embedding scales by "
+                        f"{embedding_scale(target):g}")
     if problems:
         raise UserError(f"drafter {draft_dir} does not match target: " + "; ".join(problems)
                         + " (pass --model with the target it was trained for)")
@@ -446,6 +452,21 @@ def _json_safe(value: Any) -> Any:
 # Entry point
 # ---------------------------------------------------------------------------
 
+TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def target_dtype_for(device: str, dtype: str) -> torch.dtype:
+    """`--dtype auto`: float32 on CPU (greedy equality with plain decoding is then exact; bf16 logits tie), bf16 on
+    GPUs; otherwise the named dtype."""
+    from dflash.shared.target_loading import default_dtype
+
+    if dtype == "auto":
+        return default_dtype(device)
+    if dtype not in TARGET_DTYPES:
+        raise UserError(f"--dtype {dtype}: choose one of {', '.join(TARGET_DTYPES)}")
+    return getattr(torch, dtype)
+
+
 
 def run_eval(
     draft_dir: Path,
@@ -457,6 +478,7 @@ def run_eval(
     model: str | None = None,
     device: str = "auto",
     seed: int = 0,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Evaluate an exported drafter against its target on one or more datasets; write eval.json/.md/.png."""
     from dflash.shared.target_loading import load_target_model, load_tokenizer, stop_token_ids
@@ -480,13 +502,13 @@ def run_eval(
         device = "cuda" if torch.cuda.is_available() else "cpu"
 
     draft = load_draft(draft_dir)
-    target = load_target_model(resolved.load_path, device)
+    target = load_target_model(resolved.load_path, device, target_dtype_for(device, dtype))
     check_compatibility(draft, target, info, draft_dir)
     tokenizer = load_tokenizer(resolved.load_path)
     stops = stop_token_ids(resolved.load_path, tokenizer)
     target_dtype = next(target.parameters()).dtype
     draft = draft.to(device=device, dtype=torch.float32 if device == "cpu" else target_dtype).eval()
-    embed = target.get_input_embeddings().weight
+    embed = scaled_embedding(target.get_input_embeddings().weight, draft.config.embed_scale)
     head = target.get_output_embeddings().weight
     layer_ids = list(draft.config.target_layer_ids)
     block_size = int(draft.config.block_size)
