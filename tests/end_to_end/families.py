@@ -1,7 +1,7 @@
 """Tiny random-weight targets of real architecture families, built from transformers' own configs (no downloads).
 
 `build_family(name, out)` saves a folder that `dflash extract --model` / `dflash eval --model` load like any
-checkpoint: config.json, model.safetensors, generation_config.json, and a tokenizer with a chat template. No family's
+checkpoint: config.json, model.safetensors (bf16), generation_config.json, and a tokenizer with a chat template. No family's
 own tokenizer is available offline, so every family uses the embedded SmolLM2 tokenizer (its ChatML template, 49152
 tokens) as the stand-in: the config's `vocab_size` is set to the tokenizer's size.
 
@@ -72,7 +72,7 @@ def build_family(name: str, tokenizer_dir: Path, out: Path, seed: int = 0) -> Pa
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.08)
-    model.save_pretrained(out)
+    model.to(torch.bfloat16).save_pretrained(out)  # bf16 on disk, as published checkpoints are
     tokenizer.save_pretrained(out)
     GenerationConfig(bos_token_id=special["bos_token_id"], eos_token_id=special["eos_token_id"],
                      pad_token_id=special["pad_token_id"]).save_pretrained(out)
