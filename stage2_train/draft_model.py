@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from dflash.shared.target_layers import default_layer_ids
 from dflash.stage2_train.attention_masks import (
     AnchorLayout,
     GroupedMask,
@@ -191,8 +192,9 @@ def config_from_target(
         layer_types=list(layer_types) if layer_types is not None else None,
         block_size=block_size,
         num_target_layers=num_target_layers,
-        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": ids,
-                       "embed_scale": float(embed_scale), "target_model_type": target_config.get("model_type")},
+        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": ids, "embed_scale": float(embed_scale),
+                       **({"target_model_type": target_config["model_type"]} if target_config.get("model_type")
+                          else {})},
     )
 
 
