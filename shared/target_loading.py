@@ -187,17 +187,37 @@ def load_target_model(load_path: str, device: str, dtype: Any = None) -> Any:
     return model.to(device).eval().requires_grad_(False)
 
 
-def target_embedding_scale(load_path: str) -> float:
-    """The factor the target's input embedding module multiplies its rows by (Gemma: sqrt(hidden); 1.0 for most
-    families), read from the module transformers builds for this config on the meta device (no weights loaded)."""
+def inspect_target(load_path: str) -> float:
+    """Refuse a target dflash cannot draft for, with the reason, before any work; else return its embedding scale.
+
+    Builds the model transformers makes for the config on the meta device (no weights loaded): the model type needs
+    a causal LM class (`AutoModelForCausalLM`), its decoder layers must be found (`decoder_layers`), and the factor
+    its input embedding module multiplies the rows by (Gemma: sqrt(hidden); 1.0 for most families) is returned.
+    """
     import torch
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.shared.target_layers import embedding_scale
+    from dflash.shared.target_layers import decoder_layers, embedding_scale
 
-    config = AutoConfig.from_pretrained(str(local_model_files(load_path)))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    folder = local_model_files(load_path)
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except Exception as error:  # noqa: BLE001 - an unknown model type, a broken config.json
+        raise ModelLoadError(f"cannot read the config of {load_path}: {type(error).__name__}: {error}") from error
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as error:
+        raise ModelLoadError(
+            f"{load_path}: model type '{config.model_type}' has no causal language model class in transformers "
+            f"{transformers.__version__} (AutoModelForCausalLM); dflash drafts for decoder-only causal LMs"
+        ) from error
+    layers = decoder_layers(model)
+    expected = int(config.get_text_config().num_hidden_layers)
+    if len(layers) != expected:
+        raise ModelLoadError(f"{load_path}: `get_decoder().layers` of {type(model).__name__} holds {len(layers)} "
+                             f"layers, the config says {expected}; dflash cannot tell which layer is which")
     return embedding_scale(model)
 
 

@@ -214,3 +214,38 @@ def test_family_end_to_end(family: str, workspace: dict, monkeypatch: pytest.Mon
     assert stats["steps"] >= 2
     result["eval"] = f"yes (tau {stats['tau']:.2f})"
     result["notes"] = _notes(model_dir, facts["embed_scale"])
+
+
+# ---------------------------------------------------------------------------
+# Targets dflash cannot work with: refused up front, in one line, naming the reason
+# ---------------------------------------------------------------------------
+
+
+def test_a_model_without_a_causal_lm_class_is_refused(workspace: dict, tmp_path: Path) -> None:
+    """Refused before any work (a UserError: the CLI prints its one line and exits 2, see test_extract.py)."""
+    from transformers import AutoConfig
+
+    from dflash.shared.errors import UserError
+    from dflash.stage1_extract.supervisor import ExtractOptions, run_extract
+
+    folder = tmp_path / "t5"
+    AutoConfig.for_model("t5", d_model=64, num_layers=2).save_pretrained(folder)
+    with pytest.raises(UserError, match="model type 't5' has no causal language model class"):
+        run_extract(ExtractOptions(out=tmp_path / "cache", model=str(folder), data=str(workspace["data"])))
+    assert not (tmp_path / "cache" / "target").exists()
+
+
+def test_embeddings_transformed_outside_the_embedding_module_are_refused(workspace: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from dflash.shared.errors import UserError
+    from dflash.shared.target_layers import check_embedding_path, embedding_scale
+
+    model_dir = build_family("llama", workspace["tokenizer"], workspace["root"] / "llama" / "model")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    check_embedding_path(model, embedding_scale(model))  # as it comes: accepted
+    embed = model.get_input_embeddings()
+    plain_forward = embed.forward
+    embed.forward = lambda ids: plain_forward(ids) * 2.0  # a scale the module does not declare
+    with pytest.raises(UserError, match="first decoder layer does not receive the token embedding times 1"):
+        check_embedding_path(model, embedding_scale(model))
