@@ -2,10 +2,11 @@
 (tests/end_to_end/families.py) through `dflash extract`, `dflash train` (a few steps), the export and `dflash eval`
 (greedy, against plain greedy decoding of the same target).
 
-One family (`CLI_FAMILY`) goes through the real CLI commands. The others call the same entry points in process
-(`run_extract`, `train`, `run_eval`), because process startup would dominate these tiny runs: their extraction runs
-the real supervisor and worker code, with the worker forked instead of spawned (a spawned worker imports torch and
-transformers afresh, ~5 s each). The run writes docs/support-matrix.md (the README's support matrix) from what it observed,
+One family (`CLI_FAMILY`) goes through the real `dflash extract` and `dflash eval` commands (the two that load the
+target; training only reads the cache, and its CLI runs in tests/stage2_train/test_train.py). The others call the
+same entry points in process (`run_extract`, `train`, `run_eval`), because process startup would dominate these tiny
+runs: their extraction runs the real supervisor and worker code, with the worker forked instead of spawned (a spawned
+worker imports torch and transformers afresh, ~5 s each). The run writes docs/support-matrix.md (the README's support matrix) from what it observed,
 when every family ran.
 """
 
@@ -191,13 +192,7 @@ def test_family_end_to_end(family: str, workspace: dict, monkeypatch: pytest.Mon
 
     train_args = {"max_steps": 3, "draft_layers": 1, "block_size": BLOCK, "batch_tokens": 256, "max_anchors": 8,
                   "eval_every": 1000, "checkpoint_every": 1000, "eval_fraction": 0.2, "eval_sequences": 1}
-    if via_cli:
-        run_dflash("train", "--cache", str(cache), "--out", str(run), "--max-steps", "3", "--draft-layers", "1",
-                   "--block-size", str(BLOCK), "--batch-tokens", "256", "--max-anchors", "8", "--eval-every", "1000",
-                   "--checkpoint-every", "1000", "--eval-fraction", "0.2", "--eval-sequences", "1",
-                   "--num-workers", "0", check=True)
-    else:
-        train(TrainOptions(cache=cache, out=run, num_workers=0, **train_args))  # type: ignore[arg-type]
+    train(TrainOptions(cache=cache, out=run, num_workers=0, **train_args))  # type: ignore[arg-type]
     facts = _drafter_follows_the_target(export, model_dir, family)
     result["train"] = "yes"
 
