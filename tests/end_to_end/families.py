@@ -1,9 +1,9 @@
 """Tiny random-weight targets of real architecture families, built from transformers' own configs (no downloads).
 
-`build_family(name, out)` saves a folder that `dflash extract --model` / `dflash eval --model` load like any
-checkpoint: config.json, model.safetensors (bf16), generation_config.json, and a tokenizer with a chat template. No family's
-own tokenizer is available offline, so every family uses the embedded SmolLM2 tokenizer (its ChatML template, 49152
-tokens) as the stand-in: the config's `vocab_size` is set to the tokenizer's size.
+`build_family(name, tokenizer_dir, out)` saves a folder that `dflash extract --model` / `dflash eval --model` load
+like any checkpoint: config.json, model.safetensors (bf16), generation_config.json, and a tokenizer with a chat
+template. No family's own tokenizer is available offline, so every family uses the embedded SmolLM2 tokenizer (its
+ChatML template, 49152 tokens) as the stand-in: the config's `vocab_size` is set to the tokenizer's size.
 
 Sizes: 4 decoder layers (the hybrid families get one full-attention layer among linear ones), hidden 64, 4 query
 heads over 2 KV heads, head_dim 16, a few tiny experts for the MoE families, a sliding window of 8 (shorter than the

@@ -6,8 +6,8 @@ One family (`CLI_FAMILY`) goes through the real `dflash extract` and `dflash eva
 target; training only reads the cache, and its CLI runs in tests/stage2_train/test_train.py). The others call the
 same entry points in process (`run_extract`, `train`, `run_eval`), because process startup would dominate these tiny
 runs: their extraction runs the real supervisor and worker code, with the worker forked instead of spawned (a spawned
-worker imports torch and transformers afresh, ~5 s each). The run writes docs/support-matrix.md (the README's support matrix) from what it observed,
-when every family ran.
+worker imports torch and transformers afresh, ~5 s each). The run writes docs/support-matrix.md (the README's
+support matrix) from what it observed, when every family ran.
 """
 
 from __future__ import annotations

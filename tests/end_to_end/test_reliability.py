@@ -171,7 +171,7 @@ def test_train_survives_a_random_kill(baseline_cache: Path, tmp_path: Path, atte
 @pytest.mark.parametrize("attempt", range(10))
 def test_generate_survives_a_random_kill(chat_jsonl: Path, tmp_path_factory: pytest.TempPathFactory,
                                          tmp_path: Path, attempt: int) -> None:
-    from tests.test_generate import GENERATE_ARGS
+    from tests.stage1_extract.test_generate import GENERATE_ARGS
 
     reference = tmp_path_factory.getbasetemp() / "generate-reference"
     if not (reference / "conversations.jsonl").is_file():

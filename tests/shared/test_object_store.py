@@ -18,7 +18,7 @@ import zarr
 from dflash.shared import cache_format as cf
 from dflash.shared import object_store as osx
 from tests.conftest import EXTRACT_ARGS, REPO, assert_same_training, run_dflash
-from tests.test_train_data import build_cache
+from tests.stage2_train.test_train_data import build_cache
 
 ARRAYS = ("features", "input_ids", "loss_mask", "offsets", "sample_index", "sample_id")
 
