@@ -5,8 +5,8 @@
 One family (`CLI_FAMILY`) goes through the real `dflash extract` and `dflash eval` commands (the two that load the
 target; training only reads the cache, and its CLI runs in tests/stage2_train/test_train.py). The others call the
 same entry points in process (`run_extract`, `train`, `run_eval`), because process startup would dominate these tiny
-runs: their extraction runs the real supervisor and worker code, with the worker forked instead of spawned (a spawned
-worker imports torch and transformers afresh, ~5 s each). The run writes docs/support-matrix.md (the README's
+runs: their extraction runs the real supervisor and worker code, with the worker forked from a fork server instead
+of spawned (a spawned worker imports torch and transformers afresh, ~5 s each). The run writes docs/support-matrix.md (the README's
 support matrix) from what it observed, when every family ran.
 """
 
@@ -154,14 +154,17 @@ def _notes(model_dir: Path, scale: float) -> str:
 
 
 def _fork_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Extraction workers forked from a fork server that has imported the worker module once (forking the test
+    process itself can deadlock on locks held by its other threads)."""
     import multiprocessing
     from types import SimpleNamespace
 
     from dflash.stage1_extract import supervisor
 
-    fork = SimpleNamespace(get_context=lambda _method: multiprocessing.get_context("fork"),
-                           process=multiprocessing.process)
-    monkeypatch.setattr(supervisor, "mp", fork)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["dflash.stage1_extract.worker"])
+    monkeypatch.setattr(supervisor, "mp", SimpleNamespace(get_context=lambda _method: context,
+                                                          process=multiprocessing.process))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
