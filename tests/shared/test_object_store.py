@@ -49,7 +49,7 @@ def s3_env() -> Iterator[dict[str, str]]:
 
 
 def remote_arrays(cache_dir: Path, shard: int) -> dict[str, np.ndarray]:
-    group = zarr.open_group(cf.shard_source(cache_dir, shard), mode="r")
+    group = zarr.open_group(osx.shard_source(cache_dir, shard), mode="r")
     return {name: np.asarray(group[name][:]) for name in ARRAYS}
 
 
