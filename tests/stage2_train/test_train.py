@@ -309,7 +309,7 @@ def test_export_command_exports_the_latest_checkpoint_also_an_fsdp_one(train_cac
     empty = tmp_path / "empty"
     (empty / "checkpoints" / "step-00000001").mkdir(parents=True)
     (empty / "checkpoints" / "step-00000001" / "complete").write_text("1")
-    (empty / DRAFT_CONFIG_FILE).write_text(json.dumps(config.to_dict()))
+    RunFiles(empty).draft_config.write_text(json.dumps(config.to_dict()))
     refused = run_dflash("export", "--run", str(empty))
     assert refused.returncode == 2 and "holds neither model.safetensors" in refused.stderr, refused.stderr[-2000:]
 
