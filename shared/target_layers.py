@@ -52,8 +52,55 @@ def decoder_layers(model: Any) -> torch.nn.ModuleList:
     return layers
 
 
+def embedding_scale(model: Any) -> float:
+    """The factor `model`'s input embedding module multiplies its rows by: transformers' scaled embeddings (Gemma's
+    `Gemma3TextScaledWordEmbedding` & co.) keep it as `scalar_embed_scale` (a float) and `embed_scale`; 1.0 for a
+    plain `nn.Embedding`. The drafter embeds its block with the same factor (stage2_train/target_parts.py)."""
+    module = model.get_input_embeddings()
+    scale = getattr(module, "scalar_embed_scale", None)
+    if scale is None:
+        scale = getattr(module, "embed_scale", None)
+        if scale is not None and hasattr(scale, "is_meta"):
+            scale = None if scale.is_meta else float(scale)
+    return float(scale) if scale is not None else 1.0
+
+
 class _StopForward(Exception):
     """Raised by the deepest captured layer's hook when nothing above it is needed."""
+
+
+def check_embedding_path(model: Any, scale: float) -> None:
+    """Refuse a target whose first decoder layer does not receive `embedding(ids) * scale`, which is how the
+    drafter embeds its block (stage2_train/target_parts.py `scaled_embedding`): a target that transforms its
+    embeddings elsewhere would train a drafter on inputs the target never sees. One short decoder forward, ended at
+    the first layer."""
+    import torch
+    import torch.nn.functional as F
+
+    first = decoder_layers(model)[0]
+    received: dict[str, Any] = {}
+
+    def pre_hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        received["hidden"] = args[0] if args else kwargs.get("hidden_states")
+        raise _StopForward
+
+    weight = model.get_input_embeddings().weight
+    ids = torch.tensor([[1, 2, 3, min(1000, weight.shape[0] - 1)]], device=weight.device)
+    handle = first.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            model.get_decoder()(input_ids=ids, use_cache=False)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    expected = F.embedding(ids, weight)
+    if scale != 1.0:
+        expected = expected * torch.tensor(scale, dtype=weight.dtype, device=weight.device)
+    hidden = received.get("hidden")
+    if hidden is None or hidden.shape != expected.shape or not torch.equal(hidden, expected):
+        raise UserError(f"{type(model).__name__}: its first decoder layer does not receive the token embedding times "
+                        f"{scale:g}, which is how the drafter embeds its block; dflash does not support this target")
 
 
 class LayerCapture:

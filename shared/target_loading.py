@@ -190,20 +190,63 @@ def load_tokenizer(load_path: str) -> Any:
         raise ModelLoadError(f"could not load the tokenizer of {load_path}: {error}") from error
 
 
-def load_target_model(load_path: str, device: str) -> Any:
-    """The causal LM in bf16 (fp32 on CPUs whose matmuls do not support bf16 is not needed: torch's CPU bf16 works)."""
+def default_dtype(device: str) -> Any:
+    """The target's compute dtype: float32 on CPU (greedy decoding then has no bf16 logit ties and CPU matmuls gain
+    nothing from bf16), bfloat16 on accelerators."""
+    import torch
+
+    return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+
+
+def load_target_model(load_path: str, device: str, dtype: Any = None) -> Any:
+    """The causal LM in `dtype` (bf16 when None), with transformers' default attention for the family (SDPA where
+    the family supports it, eager otherwise, e.g. gpt-oss's attention sinks)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(local_model_files(load_path)), dtype=torch.bfloat16, attn_implementation="sdpa"
+            str(local_model_files(load_path)), dtype=dtype if dtype is not None else torch.bfloat16
         )
     except ModelLoadError:
         raise
     except Exception as error:  # noqa: BLE001
         raise ModelLoadError(f"could not load target model {load_path}: {type(error).__name__}: {error}") from error
     return model.to(device).eval().requires_grad_(False)
+
+
+def inspect_target(load_path: str) -> float:
+    """Refuse a target dflash cannot draft for, with the reason, before any work; else return its embedding scale.
+
+    Builds the model transformers makes for the config on the meta device (no weights loaded): the model type needs
+    a causal LM class (`AutoModelForCausalLM`), its decoder layers must be found (`decoder_layers`), and the factor
+    its input embedding module multiplies the rows by (Gemma: sqrt(hidden); 1.0 for most families) is returned.
+    """
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.shared.target_layers import decoder_layers, embedding_scale
+
+    folder = local_model_files(load_path)
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except Exception as error:  # noqa: BLE001 - an unknown model type, a broken config.json
+        raise ModelLoadError(f"cannot read the config of {load_path}: {type(error).__name__}: {error}") from error
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as error:
+        raise ModelLoadError(
+            f"{load_path}: model type '{config.model_type}' has no causal language model class in transformers "
+            f"{transformers.__version__} (AutoModelForCausalLM); dflash drafts for decoder-only causal LMs"
+        ) from error
+    layers = decoder_layers(model)
+    expected = int(config.get_text_config().num_hidden_layers)
+    if len(layers) != expected:
+        raise ModelLoadError(f"{load_path}: `get_decoder().layers` of {type(model).__name__} holds {len(layers)} "
+                             f"layers, the config says {expected}; dflash cannot tell which layer is which")
+    return embedding_scale(model)
 
 
 def stop_token_ids(load_path: str, tokenizer: Any) -> list[int]:

@@ -29,6 +29,7 @@ from dflash.shared.output_dirs import refuse_foreign_folder
 from dflash.shared.target_layers import default_layer_ids, validate_layer_ids
 from dflash.shared.target_loading import (
     ResolvedTarget,
+    inspect_target,
     load_tokenizer,
     local_model_files,
     resolve_target,
@@ -210,6 +211,7 @@ class Supervisor:
         folder = local_model_files(target.load_path)
         import json
 
+        embed_scale = inspect_target(target.load_path)  # refuses a target dflash cannot work with, before any work
         config = json.loads((folder / "config.json").read_text())
         config = config.get("text_config", config)
         num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
@@ -243,7 +245,8 @@ class Supervisor:
         }
         manifest = self._open_manifest(identity, data, target, num_layers, existing)
         stops = stop_token_ids(target.load_path, tokenizer)
-        export_target_files(folder, tokenizer, self.cache_dir / cf.TARGET_DIR, stops)
+        if not (self.cache_dir / cf.TARGET_DIR / cf.EMBEDDINGS_FILE).is_file():
+            export_target_files(folder, tokenizer, self.cache_dir / cf.TARGET_DIR, stops, embed_scale=embed_scale)
         return manifest, data, target, stops
 
     def _existing_manifest(self) -> dict[str, Any] | None:

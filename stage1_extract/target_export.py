@@ -1,6 +1,7 @@
 """Write the cache's `target/` folder: exactly what stage 2 needs from the target, and nothing more.
 
-config.json, generation_config.json, the tokenizer files, and embeddings.safetensors with the input embedding
+config.json, generation_config.json, the tokenizer files, dflash_target.json (stop ids, the embedding scale, the
+model type), and embeddings.safetensors with the input embedding
 (`embed_tokens.weight`) and the LM head (`lm_head.weight`). The tensors are read straight from the checkpoint's
 safetensors files, so neither this stage's supervisor nor stage 2 ever loads the full target.
 """
@@ -39,8 +40,10 @@ def _find_tensors(folder: Path) -> dict[str, Any]:
     return found
 
 
-def export_target_files(model_folder: Path, tokenizer: Any, target_dir: Path, stop_token_ids: list[int]) -> None:
-    """Create target_dir (atomically) unless it already exists."""
+def export_target_files(model_folder: Path, tokenizer: Any, target_dir: Path, stop_token_ids: list[int],
+                        embed_scale: float = 1.0) -> None:
+    """Create target_dir (atomically) unless it already exists. `embed_scale`: the factor the target's embedding
+    module multiplies its rows by (recorded in dflash_target.json; embeddings.safetensors keeps the raw weight)."""
     if (target_dir / EMBEDDINGS_FILE).is_file():
         return
     from safetensors.torch import save_file
@@ -69,6 +72,9 @@ def export_target_files(model_folder: Path, tokenizer: Any, target_dir: Path, st
         },
         str(tmp / EMBEDDINGS_FILE),
     )
-    (tmp / "dflash_target.json").write_text(json.dumps({"stop_token_ids": stop_token_ids}, indent=2))
+    text_config = config.get("text_config", config)
+    record = {"stop_token_ids": stop_token_ids, "embed_scale": float(embed_scale),
+              "model_type": text_config.get("model_type", config.get("model_type"))}
+    (tmp / "dflash_target.json").write_text(json.dumps(record, indent=2))
     shutil.rmtree(target_dir, ignore_errors=True)
     os.replace(tmp, target_dir)

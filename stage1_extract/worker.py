@@ -24,7 +24,7 @@ import torch
 from dflash.shared.cache_format import shard_path, write_status
 from dflash.shared.feature_codecs import codec
 from dflash.shared.logs import get_logger, setup_logging
-from dflash.shared.target_layers import LayerCapture
+from dflash.shared.target_layers import LayerCapture, check_embedding_path, embedding_scale
 from dflash.shared.target_loading import load_target_model, load_tokenizer
 from dflash.stage1_extract.conversations import Conversation, TokenizedSample, tokenize_conversation
 from dflash.stage1_extract.shard_writer import FeatureShardWriter
@@ -119,6 +119,7 @@ class ShardExtractor:
         self.report = report
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.load_path)
         self.model = model if model is not None else load_target_model(config.load_path, str(device))
+        check_embedding_path(self.model, embedding_scale(self.model))
         self.capture = LayerCapture(self.model, config.layer_ids, stop_after_last=True)
         self.hidden_size = int(self.model.config.hidden_size)
         self.feature_dim = self.hidden_size * len(config.layer_ids)

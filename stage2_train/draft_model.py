@@ -103,6 +103,11 @@ class DFlashConfig(Qwen3Config):
         return self.dflash_config.get("mask_token_id")
 
     @property
+    def embed_scale(self) -> float:
+        """The target's embedding scale the block is embedded with (1.0 unless the target scales, e.g. Gemma)."""
+        return float(self.dflash_config.get("embed_scale", 1.0))
+
+    @property
     def num_context_layers(self) -> int:
         """How many target layers are concatenated into the context features (fc input = this * hidden)."""
         return len(self.target_layer_ids)
@@ -126,8 +131,15 @@ class DFlashConfig(Qwen3Config):
 
 
 def _target_rope_parameters(target_config: Mapping[str, Any]) -> dict[str, Any]:
-    """RoPE parameters of a target config dict written by transformers 4.x (rope_theta/rope_scaling) or 5.x."""
+    """RoPE parameters of a target config dict written by transformers 4.x (rope_theta/rope_scaling) or 5.x.
+
+    Per-layer-type parameters (Gemma 3: {sliding_attention: ..., full_attention: ...}) give the full-attention
+    entry; a partial rotary factor (Qwen3-Next, GLM-4) is the target's attention detail and is not copied (the
+    drafter rotates its whole head)."""
     rope = dict(target_config.get("rope_parameters") or {})
+    if rope and all(isinstance(value, Mapping) for value in rope.values()):
+        rope = dict(rope.get("full_attention") or next(iter(rope.values())))
+    rope.pop("partial_rotary_factor", None)
     scaling = target_config.get("rope_scaling") or {}
     if not rope.get("rope_type") and scaling:
         rope.update(scaling)
@@ -146,11 +158,13 @@ def config_from_target(
     mask_token_id: int,
     layer_types: Sequence[str] | None = None,
     sliding_window: int | None = None,
+    embed_scale: float = 1.0,
 ) -> DFlashConfig:
     """Size a draft config from the target's config dict (hidden, heads, KV heads, MLP, head_dim, RoPE, eps).
 
     ``target_layer_ids=None`` uses the reference default for ``num_draft_layers``. All draft layers use full
-    attention unless ``layer_types`` (and ``sliding_window``) are given.
+    attention unless ``layer_types`` (and ``sliding_window``) are given. ``embed_scale`` (the target's embedding
+    scale) and the target's ``model_type`` are recorded in ``dflash_config``.
     """
     hidden = int(target_config["hidden_size"])
     heads = int(target_config["num_attention_heads"])
@@ -184,7 +198,9 @@ def config_from_target(
         layer_types=list(layer_types) if layer_types is not None else None,
         block_size=block_size,
         num_target_layers=num_target_layers,
-        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": ids},
+        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": ids, "embed_scale": float(embed_scale),
+                       **({"target_model_type": target_config["model_type"]} if target_config.get("model_type")
+                          else {})},
     )
 
 

@@ -38,7 +38,9 @@ from dflash.shared.chat_records import prompt_messages
 from dflash.shared.errors import UserError
 from dflash.shared.logs import get_logger
 from dflash.shared.run_files import TARGET_INFO_FILE, run_of_export
+from dflash.shared.target_layers import embedding_scale
 from dflash.stage2_train.export import load_draft, read_target_info
+from dflash.stage2_train.target_parts import scaled_embedding
 from dflash.stage2_train.speculative import (
     SpecResult,
     acceptance_by_position,
@@ -217,6 +219,10 @@ def check_compatibility(draft: Any, target: Any, info: Mapping[str, Any], draft_
         problems.append(f"it was trained for a target of {cfg.num_target_layers} layers, this one has {target_layers}")
     if cfg.mask_token_id is None or not 0 <= int(cfg.mask_token_id) < target_vocab:
         problems.append(f"mask_token_id {cfg.mask_token_id} is not a token of the target")
+    draft_scale = float(getattr(cfg, "embed_scale", 1.0))
+    if abs(draft_scale - embedding_scale(target)) > 1e-6 * max(1.0, draft_scale):
+        problems.append(f"it embeds its block with scale {draft_scale:g}, the target's embedding scales by "
+                        f"{embedding_scale(target):g}")
     if problems:
         raise UserError(f"drafter {draft_dir} does not match target: " + "; ".join(problems)
                         + " (pass --model with the target it was trained for)")
@@ -467,6 +473,21 @@ def _json_safe(value: Any) -> Any:
 # Entry point
 # ---------------------------------------------------------------------------
 
+TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def target_dtype_for(device: str, dtype: str) -> torch.dtype:
+    """`--dtype auto`: float32 on CPU (greedy equality with plain decoding is then exact; bf16 logits tie), bf16 on
+    GPUs; otherwise the named dtype."""
+    from dflash.shared.target_loading import default_dtype
+
+    if dtype == "auto":
+        return default_dtype(device)
+    if dtype not in TARGET_DTYPES:
+        raise UserError(f"--dtype {dtype}: choose one of {', '.join(TARGET_DTYPES)}")
+    return getattr(torch, dtype)
+
+
 
 def run_eval(
     draft_dir: Path,
@@ -479,6 +500,7 @@ def run_eval(
     device: str = "auto",
     seed: int = 0,
     allow_target_mismatch: bool = False,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """Evaluate an exported drafter against its target on one or more datasets; write eval.json/.md/.png."""
     from dflash.shared.target_loading import load_target_model, load_tokenizer, stop_token_ids
@@ -502,14 +524,14 @@ def run_eval(
         device = "cuda" if torch.cuda.is_available() else "cpu"
 
     draft = load_draft(draft_dir)
-    target = load_target_model(resolved.load_path, device)
+    target = load_target_model(resolved.load_path, device, target_dtype_for(device, dtype))
     check_compatibility(draft, target, info, draft_dir)  # sizes first: the clearest message
     check_target_identity(info, resolved, draft_dir, allow_target_mismatch)
     tokenizer = load_tokenizer(resolved.load_path)
     stops = stop_token_ids(resolved.load_path, tokenizer)
     target_dtype = next(target.parameters()).dtype
     draft = draft.to(device=device, dtype=torch.float32 if device == "cpu" else target_dtype).eval()
-    embed = target.get_input_embeddings().weight
+    embed = scaled_embedding(target.get_input_embeddings().weight, draft.config.embed_scale)
     head = target.get_output_embeddings().weight
     layer_ids = list(draft.config.target_layer_ids)
     block_size = int(draft.config.block_size)
@@ -523,9 +545,16 @@ def run_eval(
     # Warm-up (untimed): first calls allocate and pick kernels.
     first_prompt = next(iter(prompts_by_dataset.values()))[0]
     first = first_prompt.ids or tokenize_prompt(tokenizer, first_prompt.messages)
+    # transformers' assisted generation (prompt lookup) refuses stateful targets (recurrent layers cannot be cut back).
+    lookup_refused = "transformers refuses prompt lookup for stateful models" if getattr(
+        target, "_is_stateful", False) else None
+
+    def lookup(ids: list[int], n: int) -> SpecResult:
+        return SpecResult(tokens=[]) if lookup_refused else prompt_lookup_generate(target, ids, n, stops)
+
     dflash(first, 4)
     greedy_generate(target, first, 4, stops)
-    prompt_lookup_generate(target, first, 4, stops)
+    lookup(first, 4)
 
     datasets: dict[str, Any] = {}
     total_prompts = sum(len(prompts) for prompts in prompts_by_dataset.values())
@@ -538,22 +567,22 @@ def run_eval(
             ids = prompt.ids or tokenize_prompt(tokenizer, prompt.messages)
             spec = dflash(ids, max_new_tokens)
             plain = greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature, generator=generator)
-            lookup = prompt_lookup_generate(target, ids, max_new_tokens, stops)
+            lookup_result = lookup(ids, max_new_tokens)
             sample: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "new_tokens": len(spec.tokens),
                                       "steps": spec.steps, "tau": spec.tau, "accepted": spec.accepted,
                                       "seconds": {"dflash": spec.seconds, "plain": plain.seconds,
-                                                  "prompt_lookup": lookup.seconds}}
+                                                  "prompt_lookup": lookup_result.seconds}}
             if greedy:
                 sample.update(compare_greedy(target, prompt, ids, plain.tokens, spec.tokens))
-                sample["prompt_lookup_identical"] = lookup.tokens == plain.tokens
+                sample["prompt_lookup_identical"] = lookup_result.tokens == plain.tokens
             samples.append(sample)
             runs["dflash"].append(spec)
             runs["plain"].append(plain)
-            runs["prompt_lookup"].append(lookup)
+            runs["prompt_lookup"].append(lookup_result)
             done += 1
             log.info("[%d/%d] %s %s: %d tokens, tau %.2f, %.1f / %.1f / %.1f tok/s (dflash / plain / lookup); "
                      "%.1f s, ETA %s", done, total_prompts, name, prompt.id, len(spec.tokens), spec.tau,
-                     spec.tokens_per_second, plain.tokens_per_second, lookup.tokens_per_second,
+                     spec.tokens_per_second, plain.tokens_per_second, lookup_result.tokens_per_second,
                      time.time() - prompt_started,
                      time.strftime("%H:%M:%S", time.gmtime((time.time() - started) / done * (total_prompts - done))))
         datasets[name] = _summarise(name, samples, runs, block_size, greedy)
@@ -575,6 +604,7 @@ def run_eval(
         "target_layer_ids": layer_ids,
         "mask_token_id": int(draft.config.mask_token_id),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "prompt_lookup_unavailable": lookup_refused,
         "datasets": datasets,
     }
     training = training_acceptance(draft_dir)

@@ -2,8 +2,10 @@
 
 `config.json` (the reference DFlashDraftModel config: Qwen3 sizes, `block_size`, `num_target_layers`,
 `dflash_config: {mask_token_id, target_layer_ids}`, `layer_types`, `rope_theta`, `rms_norm_eps`) and
-`model.safetensors` with the reference weight names and no prefix. A `dflash_target.json` beside them records which
-target and cache the drafter was trained for, so evaluation can refuse a mismatched target.
+`model.safetensors` with the reference weight names and no prefix, and `modeling_dflash.py` (named by the
+config's `auto_map`: `AutoModel.from_pretrained(EXPORT, trust_remote_code=True)` returns the drafter with
+`spec_generate`). A `dflash_target.json` beside them records which target and cache the drafter was trained for, so
+evaluation can refuse a mismatched target.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dflash.shared.errors import UserError
 from dflash.shared.run_files import CONFIG_FILE, TARGET_INFO_FILE, WEIGHTS_FILE
 from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
 
+MODELING_FILE = "modeling_dflash.py"  # this package's stage2_train/modeling_dflash.py, shipped with every export
+
 
 def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any], *, run_dir: Path | None = None,
                  extra_files: dict[str, str] | None = None) -> None:
@@ -33,6 +37,8 @@ def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any
     config = model.config.to_dict()
     config["torch_dtype"] = "bfloat16"
     config["dtype"] = "bfloat16"
+    # `AutoModel.from_pretrained(EXPORT, trust_remote_code=True)` builds the drafter from the modeling file we ship.
+    config["auto_map"] = {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.DFlashDraftModel"}
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     state = {name: tensor.detach().to(torch.bfloat16).contiguous().cpu() for name, tensor in model.state_dict().items()}
     save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -47,6 +53,7 @@ def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any
         "run_dir": str(Path(run_dir).resolve()) if run_dir is not None else None,
     }
     (tmp / TARGET_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    shutil.copy(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
     shutil.rmtree(out_dir, ignore_errors=True)

@@ -288,7 +288,8 @@ def drafter_config(options: TrainOptions, manifest: dict[str, Any], parts: Targe
     if options.sliding_window:
         layer_types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
     config = config_from_target(parts.config, layer_ids, num_layers, options.block_size, mask_token_id,
-                                layer_types=layer_types, sliding_window=options.sliding_window)
+                                layer_types=layer_types, sliding_window=options.sliding_window,
+                                embed_scale=parts.embed_scale)
     return config, mask_token_id
 
 

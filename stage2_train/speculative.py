@@ -14,7 +14,11 @@
    min(1, p(d_k) / q(d_k)); on the first rejection sample from norm(max(0, p - q)); if all are accepted sample the
    extra token from p), so the output is distributed exactly as the target's own samples.
 4. The accepted positions' (bonus + accepted drafts) target features are appended to the drafter context; the
-   target KV cache is cropped back to the accepted length (`crop_cache`). tau = mean over steps of accepted + 1.
+   target cache is rolled back to the accepted length (`TargetRunner.rollback`): KV layers are cropped
+   (`crop_cache`; sliding-window layers record their past until then), recurrent layers of hybrid linear-attention
+   targets (Qwen3-Next, Qwen3.5), which cannot be cropped, are restored from a snapshot taken before the block and
+   fed the accepted tokens again; a cache that refuses `crop` is rebuilt from the kept tokens.
+   tau = mean over steps of accepted + 1.
 
 Greedy output equals plain greedy decoding (`greedy_generate`) token for token, up to floating-point near-ties
 (the target verifies a block of B tokens in one forward, plain decoding one token at a time).
@@ -27,6 +31,7 @@ never ``crop(0)`` (= "keep 0 tokens" on old versions), and falls back to slicing
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import time
@@ -86,9 +91,17 @@ def new_cache(model: nn.Module) -> Any:
         cache = DynamicCache(config=model.config)
     except TypeError:  # versions whose DynamicCache takes no config
         cache = DynamicCache()
-    if hasattr(cache, "activate_past_recording"):  # sliding-window layers keep what a rollback needs
-        cache.activate_past_recording()
+    # Sliding-window layers keep what a rollback needs until `crop`; recurrent layers are snapshotted instead (their
+    # past recording covers only the conv state, and it grows without bound when nothing is cropped).
+    for layer in getattr(cache, "layers", None) or []:
+        if hasattr(layer, "activate_past_recording") and not has_recurrent_state(layer):
+            layer.activate_past_recording()
     return cache
+
+
+def has_recurrent_state(layer: Any) -> bool:
+    """A cache layer with a state that `crop` cannot rewind: linear attention / SSM (conv and recurrent states)."""
+    return hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")
 
 
 def cache_length(cache: Any) -> int:
@@ -117,6 +130,8 @@ def crop_cache(cache: Any, keep: int) -> None:
             return
     layers = getattr(cache, "layers", None)
     if layers is not None:
+        if any(getattr(layer, "is_sliding", False) or has_recurrent_state(layer) for layer in layers):
+            raise RuntimeError(f"{type(cache).__name__} refused crop and holds windowed or recurrent layers")
         for layer in layers:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys = layer.keys[..., :keep, :]
@@ -145,6 +160,9 @@ class TargetRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
         self._capture: LayerCapture | None = None
+        self.history: list[int] = []  # the token ids the cache holds, in order (for recomputation)
+        self._snapshot: dict[int, Any] | None = None  # recurrent layers as they were before the block being verified
+        self._block_start = 0  # the cache length when that snapshot was taken
 
     @contextmanager
     def hooked(self) -> Iterator[TargetRunner]:
@@ -164,25 +182,80 @@ class TargetRunner:
         """
         if cache_length(self.cache) != start:
             raise RuntimeError(f"target cache holds {cache_length(self.cache)} positions, expected {start}")
-        ids_t = ids if isinstance(ids, Tensor) else torch.tensor(list(ids), dtype=torch.long)
-        ids_t = ids_t.reshape(1, -1).to(self.device)
-        positions = torch.arange(start, start + ids_t.shape[1], device=self.device).unsqueeze(0)
-        kwargs: dict[str, Any] = {self._cache_kwarg: self.cache, "use_cache": True}
-        if last_only and self._has_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
+        ids_list = [int(t) for t in (ids.reshape(-1).tolist() if isinstance(ids, Tensor) else ids)]
         if self.layer_ids and self._capture is None:
             raise RuntimeError("TargetRunner.forward with layer_ids needs `with runner.hooked():`")
         if self._capture is None or not self.layer_ids:
-            out = self.target(input_ids=ids_t, position_ids=positions, **kwargs)
+            out = self._run(ids_list, start, last_only)
             features = None
         else:
             with self._capture.active():
-                out = self.target(input_ids=ids_t, position_ids=positions, **kwargs)
+                out = self._run(ids_list, start, last_only)
             features = self._capture.features()
         logits = out.logits[0]
         if last_only:
             logits = logits[-1:]
         return logits.float(), features
+
+    def _run(self, ids: list[int], start: int, last_only: bool = False) -> Any:
+        """One target forward of ``ids`` at positions start.. through the cache (extends `history`)."""
+        ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
+        kwargs: dict[str, Any] = {self._cache_kwarg: self.cache, "use_cache": True}
+        if last_only and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.target(input_ids=ids_t, position_ids=positions, **kwargs)
+        self.history.extend(ids)
+        return out
+
+    def verify(self, ids: Sequence[int], start: int) -> tuple[Tensor, Tensor | None]:
+        """`forward` of a block that `rollback` may later cut: first snapshots the layers `crop` cannot rewind
+        (recurrent states of linear-attention layers; small and of fixed size, unlike a KV cache)."""
+        layers = getattr(self.cache, "layers", None) or []
+        recurrent = {i: layer for i, layer in enumerate(layers) if has_recurrent_state(layer)}
+        self._snapshot = {i: copy.deepcopy(layer) for i, layer in recurrent.items()} if recurrent else None
+        self._block_start = start
+        return self.forward(ids, start)
+
+    def rollback(self, keep: int) -> None:
+        """Make the cache hold exactly its first ``keep`` positions, as if only they had been fed.
+
+        KV layers (full and, with past recording, sliding-window) are cropped. Recurrent layers cannot be cropped:
+        they are restored from the snapshot taken by `verify` (the state before the block) and the kept part of
+        the block is fed again. A cache whose `crop` refuses is rebuilt by feeding the kept tokens from scratch.
+        Either way the result is what a forward of the kept prefix alone gives (up to kernel shapes).
+        """
+        current = cache_length(self.cache)
+        if keep > current:
+            raise ValueError(f"cannot roll a cache of {current} positions back to {keep}")
+        snapshot, self._snapshot = self._snapshot, None
+        if keep == current:
+            return
+        kept = self.history[:keep]
+        if snapshot is not None:
+            start = self._block_start
+            if keep < start:
+                raise ValueError(f"cannot roll back to {keep}: the snapshot holds position {start} onwards")
+            for index, layer in snapshot.items():
+                self.cache.layers[index] = layer
+            for index, layer in enumerate(self.cache.layers):
+                if index not in snapshot and layer.get_seq_length() > start:
+                    layer.crop(start - layer.get_seq_length())
+            del self.history[start:]
+            if keep > start:
+                self._run(kept[start:], start)
+        else:
+            try:
+                crop_cache(self.cache, keep)
+                del self.history[keep:]
+            except (RuntimeError, ValueError, NotImplementedError):
+                if len(self.history) != current:
+                    raise
+                self.cache = new_cache(self.target)
+                self.history = []
+                self._run(kept, 0)
+        if cache_length(self.cache) != keep:
+            raise RuntimeError(f"could not roll the target cache ({type(self.cache).__name__}) back to {keep}")
 
 
 # ---------------------------------------------------------------------------
@@ -394,7 +467,7 @@ def speculative_generate(
                 draft_tokens = _sample(draft_probs, generator).tolist()
             else:
                 draft_tokens = draft_logits.argmax(-1).tolist()
-            target_logits, features = runner.forward([bonus, *draft_tokens], start)
+            target_logits, features = runner.verify([bonus, *draft_tokens], start)
             if sampling:
                 target_probs = torch.softmax(target_logits / temperature, dim=-1)
                 n_acc, next_token = verify_sampling(draft_tokens, draft_probs, target_probs, generator)
@@ -408,7 +481,7 @@ def speculative_generate(
             assert features is not None
             drafter.extend(features[:, : n_acc + 1])
             start += n_acc + 1
-            crop_cache(runner.cache, start)
+            runner.rollback(start)
             bonus = next_token
         _sync(runner.device)
         seconds = time.perf_counter() - started

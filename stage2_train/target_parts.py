@@ -17,13 +17,25 @@ from dflash.shared import cache_format as cf
 from dflash.shared.errors import UserError
 
 
+def scaled_embedding(weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """The rows the target's first decoder layer receives: `weight` times the target's embedding scale, computed in
+    the weight's dtype exactly as transformers' scaled embeddings do (`embedding(ids) * embed_scale.to(dtype)`;
+    a lookup commutes with the product). The one place the drafter's block embedding meets the scale: training,
+    offline acceptance and `dflash eval` all embed with the matrix this returns."""
+    if scale == 1.0:
+        return weight
+    return weight * torch.tensor(scale, dtype=weight.dtype, device=weight.device)
+
+
 @dataclass
 class TargetParts:
     config: dict[str, Any]  # the target's config.json (text part for multimodal configs)
-    embed_tokens: torch.Tensor  # [V, H]
+    embed_tokens: torch.Tensor  # [V, H], already multiplied by embed_scale (`scaled_embedding`)
     lm_head: torch.Tensor  # [V, H]
     tokenizer_dir: Path
     stop_token_ids: list[int]
+    embed_scale: float = 1.0  # the target's embedding scale (Gemma: sqrt(hidden))
+    model_type: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -44,13 +56,17 @@ def load_target_parts(cache_dir: Path) -> TargetParts:
     tensors = load_file(str(path))
     config = json.loads((folder / "config.json").read_text())
     extra = folder / "dflash_target.json"
-    stops = json.loads(extra.read_text()).get("stop_token_ids", []) if extra.is_file() else []
+    record = json.loads(extra.read_text()) if extra.is_file() else {}
+    text_config = config.get("text_config", config)
+    scale = float(record.get("embed_scale", 1.0))
     return TargetParts(
-        config=config.get("text_config", config),
-        embed_tokens=tensors["embed_tokens.weight"],
+        config=text_config,
+        embed_tokens=scaled_embedding(tensors["embed_tokens.weight"], scale),
         lm_head=tensors["lm_head.weight"],
         tokenizer_dir=folder,
-        stop_token_ids=list(stops),
+        stop_token_ids=list(record.get("stop_token_ids", [])),
+        embed_scale=scale,
+        model_type=record.get("model_type", text_config.get("model_type")),
     )
 
 

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dflash.shared.target_layers import default_layer_ids
 from dflash.stage2_train import attention_masks
 from dflash.stage2_train.attention_masks import (
     MAX_GROUPED_KEYS_RATIO,
@@ -378,7 +379,7 @@ def test_config_from_target_and_export(tmp_path) -> None:
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architectures"] == ["DFlashDraftModel"] and saved["model_type"] == "qwen3"
-    assert saved["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": TARGET_LAYER_IDS}
+    assert saved["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": TARGET_LAYER_IDS, "embed_scale": 1.0}
     assert saved["block_size"] == BLOCK and saved["num_target_layers"] == 8 and saved["rope_theta"] == 50000.0
     assert saved["num_hidden_layers"] == LAYERS == len(saved["layer_types"]) and saved["head_dim"] == 16
     reloaded = DFlashConfig.from_pretrained(tmp_path)
@@ -386,9 +387,7 @@ def test_config_from_target_and_export(tmp_path) -> None:
     assert reloaded.rope_parameters == config.rope_parameters
 
 
-def test_default_target_layer_ids() -> None:
-    from dflash.shared.target_layers import default_layer_ids
-
+def test_default_layer_ids() -> None:
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_layer_ids(30, 1) == [15]
     assert make_config(target_layer_ids=None, num_draft_layers=3).target_layer_ids == [1, 3, 5]
