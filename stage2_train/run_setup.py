@@ -298,6 +298,13 @@ def config_differences(config: DFlashConfig, before: dict[str, Any], what: str) 
     now = config.to_dict()
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "num_hidden_layers", "vocab_size", "block_size", "num_target_layers", "dflash_config", "layer_types")
+    # Drafters exported before dflash recorded the target's embedding scale and model type trained with scale 1 and
+    # say nothing of the type: they match a config that records scale 1 (and any type).
+    recorded = dict(before.get("dflash_config") or {})
+    recorded.setdefault("embed_scale", 1.0)
+    if "target_model_type" not in recorded and "target_model_type" in now.get("dflash_config", {}):
+        recorded["target_model_type"] = now["dflash_config"]["target_model_type"]
+    before = {**before, "dflash_config": recorded}
     return [f"{key}: {what} has {before.get(key)!r}, this cache and these flags give {now.get(key)!r}"
             for key in keys if before.get(key) != now.get(key)]
 
