@@ -221,7 +221,8 @@ def test_ctrl_c_in_train_exits_130_and_prints_the_resume_command(baseline_cache:
     process = subprocess.Popen([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, text=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
-    while not (run / "metrics.jsonl").is_file() and time.time() < deadline and process.poll() is None:
+    # Interrupt once a checkpoint is complete: the run is mid-training, with something to resume from.
+    while not list((run / "checkpoints").glob("*/complete")) and time.time() < deadline and process.poll() is None:
         time.sleep(0.2)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
