@@ -218,8 +218,8 @@ def test_ctrl_c_in_train_exits_130_and_prints_the_resume_command(baseline_cache:
     run = tmp_path / "run"
     args = ["train", "--cache", str(baseline_cache), "--out", str(run), "--max-steps", "500", "--eval-every", "0",
             "--checkpoint-every", "1", *TRAIN_ARGS]
-    # A child inherits an ignored SIGINT (and Python then installs no Ctrl-C handler): give it the default, as a
-    # terminal does, whatever an earlier in-process extraction left in this test process.
+    # A child inherits an ignored SIGINT (and Python then installs no Ctrl-C handler), as when the tests run as a
+    # background job of a non-interactive shell: give it the default disposition, as a terminal does.
     process = subprocess.Popen([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, text=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

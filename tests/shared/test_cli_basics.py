@@ -26,7 +26,7 @@ def test_version_names_the_installed_package() -> None:
 def test_interrupt_exits_128_plus_the_signal_with_the_way_on(signum: signal.Signals, code: int,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     before = signal.getsignal(signal.SIGTERM)
-    # Python's own Ctrl-C behaviour, whatever an earlier in-process test (an extraction supervisor) installed.
+    # Python's own Ctrl-C behaviour, also when the tests run as a background job (which ignores SIGINT).
     previous_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(SystemExit) as stopped, exit_on_interrupt("train", "continue with: dflash train --resume"):
