@@ -91,15 +91,13 @@ def device_limit_bytes(device: Any) -> int:
     import psutil
 
     available = int(psutil.virtual_memory().available)
-    for limit_file, usage_file in (("memory.max", "memory.current"),):
-        root = Path("/sys/fs/cgroup")
-        try:
-            limit = (root / limit_file).read_text().strip()
-            usage = int((root / usage_file).read_text())
-        except (OSError, ValueError):
-            continue
+    cgroup = Path("/sys/fs/cgroup")  # cgroup v2: the limit ("max" when none) and what the group uses now
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
         if limit.isdigit():
-            available = min(available, int(limit) - usage)
+            available = min(available, int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
     return max(0, available - CPU_HEADROOM_BYTES)
 
 
