@@ -17,12 +17,17 @@ Models (everything for other targets is extrapolated from the Qwen3-8B-shaped me
   extraction     tokens/s = min(compute, write):
                    compute = measured capture tokens/s * F_ref / F, F = 2 * (last captured layer + 1) * P_layer
                    write   = measured dflash write bytes/s / feature bytes per token
-  training       FLOPs/sample = 6 * n_draft * P_layer * A * B          (draft layers, fwd + bwd, every padded
-                                                                        anchor: the anchor axis is always A wide)
-                              + 4 * V * H * min(A, r*S - 1) * (B - 1)  (frozen LM head on supervised block tokens:
+  training       FLOPs/sample = 6 * n_draft * P_layer * a * B          (draft layers, fwd + bwd, the sample's own
+                                                                        anchors: blocks are packed, no padding)
+                              + 4 * V * H * a * (B - 1)                (frozen LM head on the block tokens:
                                                                         forward + input gradient)
                               + 4 * L * H * H * S                      (fc over the context: fwd + weight grad)
+                   a = min(A, n, max(1, ceil(d * n))), n = max(0, r*S - 1) anchor candidates, d = --anchor-density
+                   (d = None: every candidate up to the cap A, the reference's rule and the benchmark's shape)
                    seconds = samples * FLOPs/sample / E, E = FLOPs/sample of the benchmarked shape * its samples/s
+                   The benchmark (3,072-token sequences, 512 anchors) has no padding under either layout, so E holds
+                   for packed batches as far as the per-token work is the same; short packed samples pay more for
+                   attention and per-sequence overhead than this model counts (to be measured on the H200).
   P_layer = (params - embedding params) / num_layers; the drafter's layers have the shape of the target's layers.
 
 Usage:
@@ -36,12 +41,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.shared.feature_codecs import codec
 from dflash.shared.target_layers import default_layer_ids
+from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
@@ -178,28 +185,38 @@ def extract_tok_s(target: Target, dtype: str, rates: Rates, captured: int = CAPT
     return min(compute, write)
 
 
+def anchors_per_sample(length: float, loss_fraction: float, density: float | None = DEFAULT_ANCHOR_DENSITY,
+                       max_anchors: int = MAX_ANCHORS) -> float:
+    """Blocks a sample of this length trains per epoch (`data.AnchorRule.count` on its mean candidate count)."""
+    candidates = max(0.0, loss_fraction * length - 1)
+    wanted = candidates if density is None else max(1.0, math.ceil(density * candidates - 1e-9))
+    return min(wanted, candidates, max_anchors)
+
+
 def train_flops_per_sample(target: Target, length: float, loss_fraction: float, draft_layers: int = CAPTURED_LAYERS,
-                           captured: int = CAPTURED_LAYERS, anchors: int = MAX_ANCHORS,
-                           block: int = BLOCK_SIZE) -> float:
-    valid_anchors = min(anchors, max(0.0, loss_fraction * length - 1))
-    layers = 6 * draft_layers * target.layer_params * anchors * block  # padded anchors are computed too
-    head = 4 * target.vocab * target.hidden * valid_anchors * (block - 1)
+                           captured: int = CAPTURED_LAYERS, anchors: int = MAX_ANCHORS, block: int = BLOCK_SIZE,
+                           density: float | None = DEFAULT_ANCHOR_DENSITY) -> float:
+    drawn = anchors_per_sample(length, loss_fraction, density, anchors)
+    layers = 6 * draft_layers * target.layer_params * drawn * block  # packed: only the drawn blocks are computed
+    head = 4 * target.vocab * target.hidden * drawn * (block - 1)
     fc = 4 * captured * target.hidden * target.hidden * length
     return layers + head + fc
 
 
 def train_efficiency(rates: Rates) -> float:
-    """Training FLOP/s of the benchmarked shape under this script's FLOP model."""
+    """Training FLOP/s of the benchmarked shape under this script's FLOP model (the benchmark draws every
+    candidate up to its anchor count: 512 of 3,007)."""
     loss_fraction = (rates.train_length - rates.train_prompt) / rates.train_length
     per_sample = train_flops_per_sample(REFERENCE, rates.train_length, loss_fraction, anchors=rates.train_anchors,
-                                        block=rates.train_block)
+                                        block=rates.train_block, density=None)
     return per_sample * rates.train_samples_s
 
 
 def train_seconds(target: Target, data: Data, rates: Rates, draft_layers: int = CAPTURED_LAYERS,
-                  captured: int = CAPTURED_LAYERS, anchors: int = MAX_ANCHORS, block: int = BLOCK_SIZE) -> float:
+                  captured: int = CAPTURED_LAYERS, anchors: int = MAX_ANCHORS, block: int = BLOCK_SIZE,
+                  density: float | None = DEFAULT_ANCHOR_DENSITY) -> float:
     per_sample = train_flops_per_sample(target, data.mean_length, data.loss_fraction, draft_layers, captured,
-                                        anchors, block)
+                                        anchors, block, density)
     return data.samples * per_sample / train_efficiency(rates)
 
 
@@ -222,8 +239,8 @@ class Row:
 
 def size(target: Target, data: Data, rates: Rates, draft_layers: int = CAPTURED_LAYERS,
          captured: int = CAPTURED_LAYERS, anchors: int = MAX_ANCHORS, block: int = BLOCK_SIZE,
-         write_bytes_s: float | None = None) -> Row:
-    train_s = train_seconds(target, data, rates, draft_layers, captured, anchors, block)
+         write_bytes_s: float | None = None, density: float | None = DEFAULT_ANCHOR_DENSITY) -> Row:
+    train_s = train_seconds(target, data, rates, draft_layers, captured, anchors, block, density)
     return Row(
         target=target, data=data, trainable=drafter_trainable(target, draft_layers, captured),
         bytes_bf16=cache_bytes(target, data, "bf16", captured), bytes_fp8=cache_bytes(target, data, "fp8", captured),
@@ -353,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-fraction", type=float, help="assistant-token share (default: the measured profile)")
     parser.add_argument("--captured-layers", type=int, default=CAPTURED_LAYERS, help="L (default 5)")
     parser.add_argument("--draft-layers", type=int, help="draft layers (default: L)")
-    parser.add_argument("--max-anchors", type=int, default=MAX_ANCHORS)
+    parser.add_argument("--max-anchors", type=int, default=MAX_ANCHORS, help="anchor cap per sample (A)")
+    parser.add_argument("--anchor-density", type=float, default=DEFAULT_ANCHOR_DENSITY,
+                        help="anchors per candidate position (d; 0 = every candidate up to the cap)")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     parser.add_argument("--attention", choices=("flex", "sdpa"), default="flex", help="which training run to scale")
     parser.add_argument("--write-gbps", type=float, help="feature write rate per GPU in GB/s (default: measured)")
@@ -373,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                         mean_length=args.mean_length, loss_fraction=args.loss_fraction)
     draft_layers = args.draft_layers or args.captured_layers
     write = args.write_gbps * 1e9 if args.write_gbps else None
-    rows = [size(t, d, rates, draft_layers, args.captured_layers, args.max_anchors, args.block_size, write)
+    density = args.anchor_density or None
+    rows = [size(t, d, rates, draft_layers, args.captured_layers, args.max_anchors, args.block_size, write, density)
             for t in targets for d in data]
     text = markdown(rows) + "\n\n" + measured_summary(rates, args.results) + "\n"
     sys.stdout.write(text)

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
@@ -105,7 +107,7 @@ def test_reference_rows_reproduce_the_measurements(rates) -> None:  # type: igno
         attention_rates = sizing.load_rates(RESULTS, attention)
         recipe = sizing.default_data(attention_rates, [])[-1]
         assert recipe.samples == 800_000 and recipe.mean_length == train["length"]
-        hours = sizing.size(q, recipe, attention_rates).train_h
+        hours = sizing.size(q, recipe, attention_rates, density=None).train_h  # the benchmark's rule: 512 anchors
         assert hours * 3600 == pytest.approx(800_000 / train["results"]["loader"]["samples_per_s"], rel=1e-9)
     assert sizing.drafter_trainable(q) == pytest.approx(train["trainable_params"], rel=1e-3)
 
@@ -133,14 +135,30 @@ def test_extraction_scales_with_capture_flops_when_compute_bound(rates) -> None:
         2 * sizing.extract_tok_s(small, "bf16", rates), rel=1e-9)
 
 
-def test_training_pays_for_padded_anchors(rates) -> None:  # type: ignore[no-untyped-def]
-    """Short samples cost their full --max-anchors in the draft layers: halving the length does not halve time."""
+def test_training_pays_for_the_drawn_anchors_only(rates) -> None:  # type: ignore[no-untyped-def]
+    """Packed blocks: a sample costs its own anchors (density x candidates, capped), so halving the answer halves the
+    draft-layer and LM-head work; nothing is paid for --max-anchors itself."""
     q = sizing.KNOWN_TARGETS["Qwen3-8B"]
-    per_sample = [sizing.train_flops_per_sample(q, length, 0.5) for length in (400, 800)]
-    layers = 6 * 5 * q.layer_params * 512 * 16
-    assert per_sample[0] > layers and per_sample[1] < 2 * per_sample[0]
-    fewer = sizing.train_flops_per_sample(q, 800, 0.5, anchors=256)
-    assert fewer < per_sample[1]
+    layer, head = 6 * 5 * q.layer_params * 16, 4 * q.vocab * q.hidden * 15
+    fc = lambda length: 4 * 5 * q.hidden * q.hidden * length  # noqa: E731
+    # 800 tokens, half supervised: 399 candidates, ceil(399 / 6) = 67 anchors; 400 tokens: ceil(199 / 6) = 34
+    assert sizing.train_flops_per_sample(q, 800, 0.5) == pytest.approx(67 * (layer + head) + fc(800), rel=1e-12)
+    assert sizing.train_flops_per_sample(q, 400, 0.5) == pytest.approx(34 * (layer + head) + fc(400), rel=1e-12)
+    # the cap binds on long answers; every candidate (the reference's rule) up to it without a density
+    assert sizing.anchors_per_sample(3072, 1.0, density=1.0) == 512
+    assert sizing.anchors_per_sample(400, 0.5, density=None) == 199
+    assert sizing.train_flops_per_sample(q, 800, 0.5, anchors=32) == pytest.approx(32 * (layer + head) + fc(800))
+
+
+@settings(max_examples=200, deadline=None)
+@given(candidates=st.integers(0, 5000), density=st.one_of(st.none(), st.floats(0.01, 1.0)),
+       cap=st.integers(1, 1024))
+def test_anchor_count_is_the_trainers_rule(candidates: int, density: float | None, cap: int) -> None:
+    """sizing's anchors per sample equals `AnchorRule.count`, the rule the trainer draws with."""
+    from dflash.stage2_train.data import AnchorRule
+
+    expected = int(AnchorRule(density=density, max_anchors=cap).count(candidates))
+    assert sizing.anchors_per_sample(candidates + 1, 1.0, density, cap) == expected
 
 
 def test_layer_rule_and_params_match_the_project_and_public_figures() -> None:
@@ -169,7 +187,7 @@ def test_flop_models_agree_with_the_benchmarks_fuller_counts() -> None:
     train = json.loads((RESULTS / "train_qwen3-8b_flex_cuda.json").read_text())
     loader = train["results"]["loader"]
     counted = loader["tflops"] * 1e12 * loader["step_s"] / train["batch"]  # FLOPs per sample, bench's count
-    ours = sizing.train_flops_per_sample(q, train["length"], (train["length"] - 64) / train["length"])
+    ours = sizing.train_flops_per_sample(q, train["length"], (train["length"] - 64) / train["length"], density=None)
     assert 0.9 < ours / counted < 1.0, ours / counted
 
 
