@@ -81,8 +81,8 @@ def fixed_bytes(shape: DrafterShape) -> int:
 
 
 def device_limit_bytes(device: Any) -> int:
-    """Memory still free for this process: on CUDA the device's free memory; on CPU the available RAM (and the
-    cgroup's limit, where one is set), less a headroom."""
+    """Memory still free for this process: on CUDA the device's free memory; on CPU the available RAM, or what the
+    process's memory cgroup still allows where that is less, less a headroom."""
     import torch
 
     if device.type == "cuda":
@@ -91,14 +91,64 @@ def device_limit_bytes(device: Any) -> int:
     import psutil
 
     available = int(psutil.virtual_memory().available)
-    cgroup = Path("/sys/fs/cgroup")  # cgroup v2: the limit ("max" when none) and what the group uses now
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit.isdigit():
-            available = min(available, int(limit) - int((cgroup / "memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
+    allowed = cgroup_free_bytes()
+    if allowed is not None:
+        available = min(available, allowed)
     return max(0, available - CPU_HEADROOM_BYTES)
+
+
+# The memory files of the two cgroup versions: (limit, usage, the memory.stat key of reclaimable file pages).
+_CGROUP_FILES = {2: ("memory.max", "memory.current", "inactive_file"),
+                 1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+_NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as a huge page-aligned number, v2 as "max"
+
+
+def cgroup_free_bytes(proc_cgroup: Path = Path("/proc/self/cgroup"),
+                      mount: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What the memory cgroup of this process still lets it allocate, the tightest of its own group and every
+    ancestor that has a limit: limit - usage, with the inactive file pages (page cache the kernel reclaims before
+    it kills anything) not counted as used. None where no limit is set or no cgroup is readable.
+
+    psutil reports the machine's RAM, not a container's or a job's cgroup limit, so this reads the cgroup files
+    (cgroup v2 "0::PATH" under the mount, or the v1 memory controller "N:memory:PATH" under MOUNT/memory)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    groups: list[tuple[int, Path, str]] = []  # (cgroup version, the controller's mount, the group's path in it)
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            groups.append((2, mount, path.lstrip("/")))
+        elif "memory" in controllers.split(","):
+            groups.append((1, mount / "memory", path.lstrip("/")))
+    tightest: int | None = None
+    for version, root, relative in groups:
+        limit_file, usage_file, inactive_key = _CGROUP_FILES[version]
+        folder = root / relative
+        if not folder.is_dir():  # a cgroup namespace: the process's own group is the mount's root
+            folder = root
+        while True:
+            free = _group_free_bytes(folder, limit_file, usage_file, inactive_key)
+            if free is not None:
+                tightest = free if tightest is None else min(tightest, free)
+            if folder == root or root not in folder.parents:
+                break
+            folder = folder.parent
+    return tightest
+
+
+def _group_free_bytes(folder: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    try:
+        limit_text = (folder / limit_file).read_text().strip()
+        if limit_text == "max" or int(limit_text) >= _NO_LIMIT:
+            return None
+        usage = int((folder / usage_file).read_text())
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
+        inactive = int(stat.get(inactive_key, 0))
+    except (OSError, ValueError):
+        return None
+    return max(0, int(limit_text) - max(0, usage - inactive))
 
 
 @dataclass(frozen=True)
@@ -108,7 +158,8 @@ class MemoryPlan:
     shape: DrafterShape
     limit_bytes: int  # what was free when the run was set up (or --memory-limit)
     budget_bytes: int  # what one part of a micro-batch may use: the limit less the fixed state, / SAFETY
-    planned_peak_bytes: int  # fixed state + the largest part, x SAFETY
+    planned_peak_bytes: int  # fixed state + the largest part, x SAFETY: what the steps add to `in_use_bytes`
+    in_use_bytes: int = 0  # what the process held when the plan was made (weights, data, the interpreter)
 
     def parts(self, lengths: np.ndarray, blocks: np.ndarray) -> list[tuple[int, int]]:
         """The micro-batch of sequences with these context lengths and block counts, cut into consecutive
@@ -124,7 +175,7 @@ class MemoryPlan:
 
 
 def make_plan(shape: DrafterShape, largest: tuple[int, int], longest: tuple[int, int], limit_bytes: int,
-              device_name: str) -> MemoryPlan:
+              device_name: str, in_use_bytes: int = 0) -> MemoryPlan:
     """The plan for a run whose largest micro-batch holds `largest` = (context tokens, blocks) and whose costliest
     sequence `longest` = (tokens, blocks); refuses when even that sequence alone does not fit."""
     budget = int((limit_bytes - fixed_bytes(shape)) / SAFETY)
@@ -136,7 +187,8 @@ def make_plan(shape: DrafterShape, largest: tuple[int, int], longest: tuple[int,
                         "--max-anchors or --anchor-density, or train fewer --draft-layers (or free memory)")
     whole = int(step_bytes(shape, *largest))
     peak = int(SAFETY * min(whole, budget) + fixed_bytes(shape))
-    return MemoryPlan(shape=shape, limit_bytes=limit_bytes, budget_bytes=budget, planned_peak_bytes=peak)
+    return MemoryPlan(shape=shape, limit_bytes=limit_bytes, budget_bytes=budget, planned_peak_bytes=peak,
+                      in_use_bytes=in_use_bytes)
 
 
 def measured_peak_bytes(device: Any) -> int:
@@ -148,6 +200,18 @@ def measured_peak_bytes(device: Any) -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def in_use_bytes(device: Any) -> int:
+    """What the process holds now: CUDA memory allocated by torch, or on CPU the resident set. The free memory the
+    plan is made against excludes it, so the plan's peak and the measured peak less this are comparable."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def limit_from_option(gib: float | None, device: Any) -> int:

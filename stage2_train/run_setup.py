@@ -30,7 +30,8 @@ from dflash.stage2_train.data import (
 )
 from dflash.stage2_train.draft_model import DFlashConfig, DFlashDecoderLayer, DFlashDraftModel, config_from_target
 from dflash.stage2_train.loss import default_gamma, position_weights
-from dflash.stage2_train.memory_plan import GIB, DrafterShape, MemoryPlan, limit_from_option, make_plan, step_bytes
+from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, in_use_bytes, limit_from_option,
+                                             make_plan, step_bytes)
 from dflash.stage2_train.objective import OBJECTIVES, Objective
 from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.target_parts import TargetParts, load_target_parts, resolve_mask_token
@@ -348,10 +349,12 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
              for pack in run.plan(run.state.epoch)]
     largest = max(packs, key=lambda pack: int(step_bytes(shape, *pack)))
     limit = limit_from_option(run.options.memory_limit, run.device)
-    plan = make_plan(shape, largest, (int(lengths[costliest]), int(blocks[costliest])), limit, str(run.device))
+    plan = make_plan(shape, largest, (int(lengths[costliest]), int(blocks[costliest])), limit, str(run.device),
+                     in_use_bytes(run.device))
     split = int(step_bytes(shape, *largest)) > plan.budget_bytes
-    log.info("memory: %.2f GiB free on %s; planned peak %.2f GiB (the largest micro-batch, %d tokens and %d blocks, "
-             "with the optimizer state)%s", limit / GIB, run.device, plan.planned_peak_bytes / GIB, largest[0],
+    log.info("memory: %.2f GiB in use, %.2f GiB free on %s; planned peak %.2f GiB more (the largest micro-batch, %d "
+             "tokens and %d blocks, with the optimizer state)%s", plan.in_use_bytes / GIB, limit / GIB, run.device,
+             plan.planned_peak_bytes / GIB, largest[0],
              largest[1], "; micro-batches that do not fit are split and accumulated" if split else "")
     return plan
 

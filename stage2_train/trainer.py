@@ -85,8 +85,11 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
         from torch._dynamo.utils import counters
 
         log.info("--compile: %d graphs compiled", counters["stats"]["unique_graphs"])
-    log.info("memory: planned peak %.2f GiB, measured %.2f GiB (%s)", run.memory.planned_peak_bytes / GIB,
-             measured_peak_bytes(run.device) / GIB, "CUDA allocated" if run.device.type == "cuda" else "resident set")
+    peak = measured_peak_bytes(run.device)
+    log.info("memory: planned peak %.2f GiB, measured %.2f GiB above the %.2f GiB in use when planned (%s peak %.2f "
+             "GiB)", run.memory.planned_peak_bytes / GIB, (peak - run.memory.in_use_bytes) / GIB,
+             run.memory.in_use_bytes / GIB, "CUDA allocated" if run.device.type == "cuda" else "resident set",
+             peak / GIB)
     if not has_checkpoint(run):
         save_checkpoint(run)
     whole = run.whole_drafter()  # one gather under FSDP serves the final evaluation and the export
