@@ -350,17 +350,28 @@ def test_default_flags_train_and_report_the_memory_plan(train_cache: Path, tmp_p
     assert config["num_hidden_layers"] == 5 and sorted(_final_losses(run)) == [1, 2]
 
 
-def test_memory_plan_splits_micro_batches_to_the_same_losses_or_refuses(train_cache: Path, tmp_path: Path) -> None:
+PLAN_ARGS = ("--max-steps", "3", "--eval-every", "0", "--checkpoint-every", "0", *TRAIN_ARGS)
+
+
+@pytest.fixture(scope="module")
+def unconstrained_run(train_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 steps with PLAN_ARGS and no memory limit: the loss curve the memory-limited runs must reproduce."""
+    run = tmp_path_factory.mktemp("unconstrained") / "run"
+    result = run_dflash("train", "--cache", str(train_cache), "--out", str(run), *PLAN_ARGS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def test_memory_plan_splits_micro_batches_to_the_same_losses_or_refuses(train_cache: Path, unconstrained_run: Path,
+                                                                          tmp_path: Path) -> None:
     """Under a memory limit between what the longest sequence and the largest micro-batch need, micro-batches are
     split and accumulated: the same loss curve (float rounding, rel 1e-4); under a limit the longest sequence
     cannot meet, the run stops before its first step with one line naming the estimate, the limit and the flag."""
     from dflash.stage2_train import memory_plan as mp
     from dflash.stage2_train.data import AnchorRule, CacheIndex, plan_epoch
 
-    common = ("--max-steps", "3", "--eval-every", "0", "--checkpoint-every", "0", *TRAIN_ARGS)
-    whole = run_dflash("train", "--cache", str(train_cache), "--out", str(tmp_path / "whole"), *common)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    config = DFlashConfig.from_dict(json.loads((tmp_path / "whole" / "draft_config.json").read_text()))
+    common = PLAN_ARGS
+    config = DFlashConfig.from_dict(json.loads((unconstrained_run / "draft_config.json").read_text()))
     shape = mp.DrafterShape.of(config, sum(p.numel() for p in DFlashDraftModel(config).parameters()), 4)
     index = CacheIndex.from_cache(train_cache, 0.15, 0)
     rule = AnchorRule(DEFAULT_ANCHOR_DENSITY, 24, 16)
@@ -374,7 +385,7 @@ def test_memory_plan_splits_micro_batches_to_the_same_losses_or_refuses(train_ca
                        "--memory-limit", f"{limit:.6f}")
     assert split.returncode == 0, split.stderr[-3000:]
     assert "split and accumulated" in split.stderr
-    expected, got = _final_losses(tmp_path / "whole"), _final_losses(tmp_path / "split")
+    expected, got = _final_losses(unconstrained_run), _final_losses(tmp_path / "split")
     assert sorted(got) == sorted(expected) == [1, 2, 3]
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
@@ -423,21 +434,19 @@ def _train_in_memory_cgroup(limit_gib: float, args: tuple[str, ...], tmp_path: P
         group.rmdir()
 
 
-def test_cgroup_memory_limit_is_planned_for_not_killed(train_cache: Path, tmp_path: Path) -> None:
+def test_cgroup_memory_limit_is_planned_for_not_killed(train_cache: Path, unconstrained_run: Path,
+                                                       tmp_path: Path) -> None:
     """Under a real OS memory cap (a cgroup, no --memory-limit) the plan sees the cap: with 3 GiB the run finishes
     with the same loss curve as without a cap and logs less than 3 GiB free; with 1.5 GiB (the interpreter, torch
     and the data already take ~0.6 GiB, and 1 GiB stays free for the loader) it stops before its first step with
     the plan's one line, exit 2, instead of being killed by the kernel."""
-    common = ("--cache", str(train_cache), "--max-steps", "2", "--eval-every", "0", "--checkpoint-every", "0",
-              *TRAIN_ARGS)
-    free = run_dflash("train", "--out", str(tmp_path / "free"), *common)
-    assert free.returncode == 0, free.stderr[-3000:]
+    common = ("--cache", str(train_cache), *PLAN_ARGS)
     capped = _train_in_memory_cgroup(3.0, ("--out", str(tmp_path / "capped"), *common), tmp_path)
     assert capped.returncode == 0, capped.stderr[-3000:]
     seen = float(re.search(r"memory: [\d.]+ GiB in use, ([\d.]+) GiB free", capped.stderr).group(1))
     assert 0 < seen < 2.0  # the cap less what the process holds and the 1 GiB headroom, not the machine's RAM
-    expected, got = _final_losses(tmp_path / "free"), _final_losses(tmp_path / "capped")
-    assert sorted(got) == sorted(expected) == [1, 2]
+    expected, got = _final_losses(unconstrained_run), _final_losses(tmp_path / "capped")
+    assert sorted(got) == sorted(expected) == [1, 2, 3]
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
     refused = _train_in_memory_cgroup(1.5, ("--out", str(tmp_path / "refused"), *common), tmp_path)
