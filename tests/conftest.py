@@ -6,9 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.forked_cli import ForkServer, needs_fresh_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,12 +50,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
         item.call_failed = report.failed  # type: ignore[attr-defined]
 
 
+_fork_server: ForkServer | None = None
+
+
 def run_dflash(*args: str, timeout: float = 600, env: dict[str, str] | None = None,
                check: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run the real `dflash` CLI in a subprocess (what a user runs)."""
+    """Run the real `dflash` CLI in its own process (what a user runs): forked from the tests' CLI server, which has
+    the libraries imported already (tests/forked_cli.py), or a fresh interpreter where the environment asks for one
+    or DFLASH_TESTS_FRESH_INTERPRETER=1."""
+    global _fork_server
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    result = subprocess.run([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, env=full_env, text=True,
-                            capture_output=True, timeout=timeout)
+    if needs_fresh_interpreter(env or {}) or os.environ.get("DFLASH_TESTS_FRESH_INTERPRETER") == "1":
+        result = subprocess.run([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, env=full_env,
+                                text=True, capture_output=True, timeout=timeout)
+    else:
+        if _fork_server is None or not _fork_server.alive():
+            _fork_server = ForkServer(REPO)
+        with tempfile.TemporaryDirectory(prefix="dflash-cli-") as folder:
+            out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+            code = _fork_server.run(list(args), full_env, REPO, out, err, timeout)
+            result = subprocess.CompletedProcess(["dflash", *args], code, out.read_text(errors="replace"),
+                                                 err.read_text(errors="replace"))
     if check and result.returncode != 0:
         raise AssertionError(f"dflash {' '.join(args)} exited {result.returncode}:\n{result.stderr[-4000:]}")
     return result
