@@ -191,7 +191,9 @@ def test_topk_cache_keeps_the_features_and_verifies(topk_cache: Path, baseline_c
     assert summary["verify"]["ok"]
 
 
-def test_verify_names_a_damaged_topk_array(topk_cache: Path, tmp_path: Path) -> None:
+def test_verify_names_a_damaged_topk_array_and_repair_redoes_it(topk_cache: Path, tmp_path: Path) -> None:
+    """`inspect --verify` re-reads the top-k arrays (here: a row out of order, with valid checksums), and
+    `extract --repair` redoes the damaged shard with the recorded --store-target-topk, back to the original."""
     import shutil
 
     import zarr
@@ -204,7 +206,16 @@ def test_verify_names_a_damaged_topk_array(topk_cache: Path, tmp_path: Path) -> 
     result = run_dflash("inspect", "--cache", str(cache), "--verify")
     assert result.returncode == 1
     assert "DAMAGED shard 1" in result.stdout and "not sorted" in result.stdout
+    assert "DAMAGED shard 0" not in result.stdout and "DAMAGED shard 2" not in result.stdout
     assert f"dflash extract --repair --out {cache}" in result.stdout
+    repair = run_dflash("extract", "--repair", "--out", str(cache))
+    assert repair.returncode == 0 and "repairing shards [1]" in repair.stderr, repair.stderr[-2000:]
+    assert run_dflash("inspect", "--cache", str(cache), "--verify").returncode == 0
+    for shard in range(3):
+        repaired = zarr.open_group(str(cf.shard_path(cache, shard)), mode="r")
+        original = zarr.open_group(str(cf.shard_path(topk_cache, shard)), mode="r")
+        for name in (cf.TOPK_IDS, cf.TOPK_LOGPROBS, cf.TOPK_OFFSETS):
+            np.testing.assert_array_equal(repaired[name][:], original[name][:], err_msg=f"shard {shard}: {name}")
 
 
 def test_store_target_topk_outside_the_vocabulary_is_refused(chat_jsonl: Path, tmp_path: Path) -> None:
