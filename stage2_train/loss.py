@@ -147,7 +147,9 @@ class _ChunkedLinearLoss(torch.autograd.Function):
                 weighted_kl += (pos_weights[start:end] * kl).sum()
             if need_h or need_w:
                 if not distill:
-                    grad_logits = logits.sub_(lse[:, None]).exp_().mul_(ce_weight)  # softmax, in place
+                    grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+                    if ce_weight != 1.0:
+                        grad_logits.mul_(ce_weight)
                 else:
                     # d/dz = (ce_weight + kl_weight) q - ce_weight onehot(label) - kl_weight p*, where p* is p on the
                     # K tokens and p_tail q_v / q_tail on the others: the others as exp(z_v - tail_lse) (<= 1)
