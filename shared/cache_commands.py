@@ -54,7 +54,9 @@ def cache_summary(cache_dir: Path) -> dict[str, Any]:
             skipped[reason] = skipped.get(reason, 0) + count
     tokens = sum(e["tokens"] for e in done)
     stored = sum(e.get("bytes", 0) for e in done)
+    topk_stored = sum(e.get("topk_bytes", 0) for e in done)
     identity = manifest["identity"]
+    topk = cf.TopKFormat.of_manifest(manifest)
     return {
         "cache": str(cache_dir),
         "format_version": manifest["format_version"],
@@ -70,7 +72,11 @@ def cache_summary(cache_dir: Path) -> dict[str, Any]:
         "truncated": sum(e.get("truncated", 0) for e in done),
         "skipped": skipped,
         "feature_bytes": stored,
-        "bytes_per_token": round(stored / tokens, 1) if tokens else None,
+        "bytes_per_token": round(stored / tokens, 1) if tokens else None,  # features only
+        "target_topk": topk.record() if topk is not None else None,
+        "topk_bytes": topk_stored,
+        "topk_bytes_per_supervised_token": topk.row_bytes if topk is not None else None,
+        "bytes_per_token_with_topk": round((stored + topk_stored) / tokens, 1) if tokens else None,
         "disk_bytes": _disk_bytes(cache_dir / cf.SHARDS_DIR),
         "complete": counts.get(cf.SHARD_DONE, 0) == len(shards),
     }
@@ -84,8 +90,9 @@ def _disk_bytes(folder: Path) -> int:
 
 
 def verify_shard(cache_dir: Path, shard: int, entry: dict[str, Any], vocab_size: int, feature_dim: int,
-                 codec: FeatureCodec) -> list[str]:
-    """Re-read one shard completely; return the problems found (empty when it is sound)."""
+                 codec: FeatureCodec, topk: cf.TopKFormat | None = None) -> list[str]:
+    """Re-read one shard completely; return the problems found (empty when it is sound). `topk`: the target top-k
+    the cache's manifest records (its arrays are re-read too)."""
     import torch
 
     from dflash.shared.object_store import shard_source
@@ -117,6 +124,10 @@ def verify_shard(cache_dir: Path, shard: int, entry: dict[str, Any], vocab_size:
             problems.append("loss_mask holds values other than 0/1")
         if (scales_problem := reader.scales_problem()) is not None:
             return [*problems, scales_problem]
+        if (topk_problem := reader.topk_problem(topk)) is not None:
+            return [*problems, topk_problem]
+        if topk is not None:
+            problems += _topk_problems(reader, loss_mask, vocab_size)
         step = max(1, cf.StoreLayout.for_feature_dim(feature_dim, features.dtype.itemsize).shard_rows)
         for start in range(0, int(features.shape[0]), step):
             block = reader.rows_tensor(start, min(start + step, int(features.shape[0])))
@@ -128,6 +139,29 @@ def verify_shard(cache_dir: Path, shard: int, entry: dict[str, Any], vocab_size:
         return [f"unreadable: {type(error).__name__}: {error}"]
 
 
+def _topk_problems(reader: cf.ShardReader, loss_mask: np.ndarray, vocab_size: int) -> list[str]:
+    """The stored target top-k of a shard: one row per `topk_positions` token, ids inside the vocabulary and
+    distinct in a row, log-probabilities finite, <= 0 and sorted (read in blocks of one zarr shard file)."""
+    if not np.array_equal(reader.topk_offsets, cf.topk_offsets(loss_mask, reader.offsets)):
+        return [f"{cf.TOPK_OFFSETS} do not count the supervised tokens of each sample"]
+    ids_array, logprobs_array = reader.topk_ids, reader.topk_logprobs
+    rows = int(ids_array.shape[0])
+    step = max(1, int(ids_array.shards[0]))
+    for start in range(0, rows, step):
+        ids = np.asarray(ids_array[start : start + step]).astype(np.int64)
+        logprobs = np.asarray(logprobs_array[start : start + step]).astype(np.float32)
+        where = f"top-k rows {start}..{start + len(ids) - 1}"
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+            return [f"{where}: token ids outside [0, {vocab_size})"]
+        if ids.shape[1] > 1 and bool((np.diff(np.sort(ids, axis=1), axis=1) == 0).any()):
+            return [f"{where}: a token id appears twice in one row"]
+        if not bool(np.isfinite(logprobs).all()) or bool((logprobs > 0).any()):
+            return [f"{where}: log-probabilities that are not finite and <= 0"]
+        if bool((np.diff(logprobs, axis=1) > 0).any()):
+            return [f"{where}: log-probabilities not sorted from the most likely token"]
+    return []
+
+
 def verify_cache(cache_dir: Path) -> dict[int, list[str]]:
     manifest = cf.read_manifest(cache_dir)
     config = json.loads((cache_dir / cf.TARGET_DIR / "config.json").read_text())
@@ -137,7 +171,8 @@ def verify_cache(cache_dir: Path) -> dict[int, list[str]]:
     for key, entry in sorted(manifest["shards"].items(), key=lambda item: int(item[0])):
         if entry.get("status") != cf.SHARD_DONE:
             continue
-        found = verify_shard(cache_dir, int(key), entry, vocab_size, feature_dim, manifest_codec(manifest))
+        found = verify_shard(cache_dir, int(key), entry, vocab_size, feature_dim, manifest_codec(manifest),
+                             cf.TopKFormat.of_manifest(manifest))
         if found:
             problems[int(key)] = found
     return problems
@@ -191,11 +226,21 @@ def _print_summary(summary: dict[str, Any]) -> None:
         ("tokens", f"{summary['tokens']:,} ({summary['loss_tokens']:,} with loss)"),
         ("truncated", f"{summary['truncated']:,}"),
         ("skipped", ", ".join(f"{k}: {v}" for k, v in sorted(summary["skipped"].items())) or "none"),
-        ("bytes/token", f"{summary['bytes_per_token']}"),
+        ("bytes/token", _bytes_per_token(summary)),
         ("on disk", f"{summary['disk_bytes'] / 1e6:,.1f} MB"),
     ]
     for name, value in rows:
         click.echo(f"{name:>12}  {value}")
+
+
+def _bytes_per_token(summary: dict[str, Any]) -> str:
+    """Feature bytes per token, and with the target's top-k where the cache holds it."""
+    topk = summary["target_topk"]
+    if topk is None:
+        return f"{summary['bytes_per_token']} (no target top-k)"
+    return (f"{summary['bytes_per_token']} without the target top-k, {summary['bytes_per_token_with_topk']} with it "
+            f"(k = {topk['k']}: {summary['topk_bytes_per_supervised_token']} bytes per supervised token, "
+            f"{topk['ids_dtype']} ids + {topk['logprobs_dtype']} log-probs)")
 
 
 def _generate_summary(out_dir: Path) -> dict[str, Any]:

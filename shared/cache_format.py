@@ -23,6 +23,14 @@ A shard store holds samples back to back (no padding):
     offsets      [samples + 1] int64: sample i is rows offsets[i]:offsets[i+1]
     sample_index [samples] int64: position of the sample in the loaded dataset
     sample_id    [samples] string: the dataset's own id of the sample
+and, only in a cache extracted with `--store-target-topk K` (the manifest's identity.target_topk, `TopKFormat`):
+    target_topk_ids      [rows, K] uint16 (every id < 65536) or int32: the target's K most likely next tokens
+    target_topk_logprobs [rows, K] float16: their log-probabilities under the target's full softmax
+    target_topk_offsets  [samples + 1] int64: sample i is rows target_topk_offsets[i]:target_topk_offsets[i+1]
+    Row r is the r-th token t with a top-k (`topk_positions`: loss_mask[t] == 1 and t is not its sample's first
+    token), and holds the distribution the target predicted FOR that token (its logits at t - 1): the label the
+    drafter learns at t is input_ids[t], and the top-k of that label position is row r. Sorted by log-probability,
+    ties by id.
 Chunks hold full rows (about 2 MB); the v3 sharding codec groups ~64 MB of chunks per file; every chunk and
 every shard index carries a crc32c checksum.
 """
@@ -71,6 +79,7 @@ IDENTITY_KEYS = (
     "max_length",
     "overlength",
     "num_shards",
+    "target_topk",  # TopKFormat.record() or None (absent in caches made before top-k existed: None)
 )
 
 # The manifest's record of the options of the run that made the cache (what `dflash extract --repair` reruns).
@@ -166,6 +175,66 @@ def identity_mismatch(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     ]
 
 
+# ------------------------------------------------------------------------------------- target top-k
+
+TOPK_IDS, TOPK_LOGPROBS, TOPK_OFFSETS = "target_topk_ids", "target_topk_logprobs", "target_topk_offsets"
+# Log-probabilities are stored as float16: a plain zarr dtype, and 3 more mantissa bits than bf16 (at log p = -10
+# the step is 2**-7, so p is kept to 0.4 %); values below float16's range are clamped to its lowest (p ~ 0).
+TOPK_LOGPROB_DTYPE = "float16"
+
+
+@dataclass(frozen=True)
+class TopKFormat:
+    """How a cache stores the target's top-k next-token distribution (`dflash extract --store-target-topk K`):
+    K ids (uint16 when the vocabulary fits, else int32) and K float16 log-probabilities per supervised token.
+    Recorded in the manifest's identity as `record()`; caches without it (and older caches) have None."""
+
+    k: int
+    ids_dtype: str
+    logprobs_dtype: str = TOPK_LOGPROB_DTYPE
+
+    @staticmethod
+    def for_vocab(k: int, vocab_size: int) -> TopKFormat:
+        if not 1 <= k <= vocab_size:
+            raise UserError(f"--store-target-topk {k}: choose K between 1 and the target's vocabulary size "
+                            f"({vocab_size})")
+        return TopKFormat(int(k), "uint16" if vocab_size <= 1 << 16 else "int32")
+
+    @staticmethod
+    def from_record(record: dict[str, Any] | None) -> TopKFormat | None:
+        return None if not record else TopKFormat(int(record["k"]), str(record["ids_dtype"]),
+                                                  str(record["logprobs_dtype"]))
+
+    @staticmethod
+    def of_manifest(manifest: dict[str, Any]) -> TopKFormat | None:
+        return TopKFormat.from_record(manifest["identity"].get("target_topk"))
+
+    def record(self) -> dict[str, Any]:
+        return {"k": self.k, "ids_dtype": self.ids_dtype, "logprobs_dtype": self.logprobs_dtype}
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one supervised token's top-k takes in the cache."""
+        return self.k * (np.dtype(self.ids_dtype).itemsize + np.dtype(self.logprobs_dtype).itemsize)
+
+
+def topk_positions(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """bool [tokens]: the tokens of a shard (samples back to back, `offsets`) that have a top-k row: supervised
+    (loss_mask == 1) and not the first token of their sample (nothing predicts that one). Every label the drafter
+    learns is such a token."""
+    positions = np.asarray(loss_mask).astype(bool, copy=True)
+    starts = np.asarray(offsets[:-1])[np.diff(offsets) > 0]
+    positions[starts] = False
+    return positions
+
+
+def topk_offsets(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """int64 [samples + 1]: sample i's top-k rows are topk_offsets[i]:topk_offsets[i + 1]."""
+    cumulative = np.zeros(len(loss_mask) + 1, dtype=np.int64)
+    np.cumsum(topk_positions(loss_mask, offsets), out=cumulative[1:])
+    return cumulative[np.asarray(offsets, dtype=np.int64)]
+
+
 # ----------------------------------------------------------------------------------------- store layout
 
 
@@ -196,27 +265,27 @@ def create_shard_store(
     attributes: dict[str, Any],
     codec: FeatureCodec,
     num_layers: int = 1,
+    topk: TopKFormat | None = None,
 ) -> Any:
     """Create a shard store whose token-level arrays are written now and whose features (and, for a scaled codec,
-    their scales: the array `feature_scales`, filled with `write_feature_scales`) are filled later."""
+    their scales: the array `feature_scales`, filled with `write_feature_scales`; with `topk`, the arrays
+    `target_topk_ids` and `target_topk_logprobs`) are filled later. Returns the zarr group."""
     import zarr
     from zarr.codecs import Crc32cCodec
 
     num_tokens = int(offsets[-1]) if len(offsets) else 0
     stored = codec.stored_dtype
-    layout = StoreLayout.for_feature_dim(feature_dim, stored.itemsize)
     group = zarr.open_group(str(path), mode="w", zarr_format=3)
     group.attrs.update({**attributes, "format_version": FORMAT_VERSION, "complete": False})
-    features = group.create_array(
-        "features",
-        shape=(num_tokens, feature_dim),
-        dtype=stored,
-        chunks=(layout.chunk_rows, feature_dim),
-        shards=(layout.shard_rows, feature_dim),
-        compressors=[Crc32cCodec()],
-        fill_value=0,
-        attributes={"logical_dtype": codec.logical_dtype},
-    )
+
+    def sharded(name: str, rows: int, width: int, dtype: Any, **extra: Any) -> None:
+        """A 2-D array of full-row chunks of ~2 MB in ~64 MB shard files (`zarr_shard_file` writes them)."""
+        rows_layout = StoreLayout.for_feature_dim(width, np.dtype(dtype).itemsize)
+        group.create_array(name, shape=(rows, width), dtype=dtype, chunks=(rows_layout.chunk_rows, width),
+                           shards=(rows_layout.shard_rows, width), compressors=[Crc32cCodec()], fill_value=0,
+                           **extra)
+
+    sharded("features", num_tokens, feature_dim, stored, attributes={"logical_dtype": codec.logical_dtype})
     if codec.scaled:
         columns = codec.scale_columns(num_layers)
         group.create_array(SCALES_ARRAY, shape=(num_tokens, columns), dtype="float32",
@@ -241,14 +310,19 @@ def create_shard_store(
     ids = group.create_array("sample_id", shape=(len(sample_ids),), dtype=str, chunks=(max(1, len(sample_ids)),))
     if sample_ids:
         ids[:] = np.array(sample_ids, dtype=object)
-    return features
+    if topk is not None:
+        rows = topk_offsets(loss_mask, offsets)
+        small(TOPK_OFFSETS, rows)
+        sharded(TOPK_IDS, int(rows[-1]), topk.k, topk.ids_dtype)
+        sharded(TOPK_LOGPROBS, int(rows[-1]), topk.k, topk.logprobs_dtype)
+    return group
 
 
 def feature_file_problems(store: Path, features: Any) -> list[str]:
-    """A cheap structural check of the `features` array (the zarr array of `store`): every shard file exists with
-    the exact size its uncompressed layout implies (inner chunks + 4-byte crc each, then the shard index), using
-    the chunk and shard shapes recorded in the array's metadata. Catches truncated, missing or swapped files
-    without reading them; `dflash inspect --verify` reads everything."""
+    """A cheap structural check of a sharded 2-D array of `store` (`features`, or a top-k array): every shard
+    file exists with the exact size its uncompressed layout implies (inner chunks + 4-byte crc each, then the
+    shard index), using the chunk and shard shapes recorded in the array's metadata. Catches truncated, missing or
+    swapped files without reading them; `dflash inspect --verify` reads everything."""
     num_rows, feature_dim = (int(x) for x in features.shape)
     chunk_rows, shard_rows = int(features.chunks[0]), int(features.shards[0])
     chunk_bytes = chunk_rows * feature_dim * features.dtype.itemsize + 4
@@ -257,12 +331,18 @@ def feature_file_problems(store: Path, features: Any) -> list[str]:
     for k in range(-(-num_rows // shard_rows)):
         rows = min(shard_rows, num_rows - k * shard_rows)
         expected = -(-rows // chunk_rows) * chunk_bytes + index_bytes
-        path = store / "features" / "c" / str(k) / "0"
+        path = store / features.basename / "c" / str(k) / "0"
         size = path.stat().st_size if path.is_file() else None
         if size != expected:
             found = "missing" if size is None else f"{size} bytes"
             problems.append(f"feature file {path.relative_to(store)} is {found}, expected {expected} bytes")
     return problems
+
+
+def store_file_problems(store: Path, reader: ShardReader) -> list[str]:
+    """`feature_file_problems` for every sharded array of a local store (the features and any top-k arrays)."""
+    arrays = [reader.features] + ([reader.topk_ids, reader.topk_logprobs] if reader.topk_ids is not None else [])
+    return [problem for array in arrays for problem in feature_file_problems(store, array)]
 
 
 def write_feature_scales(path: Path, scales: np.ndarray) -> None:
@@ -323,6 +403,11 @@ class ShardReader:
             raise CacheError(f"shard store {path} holds {self.codec.name} features, its cache's manifest says "
                              f"{codec.name}: the cache mixes two extractions (re-extract it)")
         self.feature_scales = self.group[SCALES_ARRAY] if SCALES_ARRAY in self.group else None
+        members = set(self.group.array_keys())
+        has_topk = {TOPK_IDS, TOPK_LOGPROBS, TOPK_OFFSETS} <= members
+        self.topk_ids = self.group[TOPK_IDS] if has_topk else None
+        self.topk_logprobs = self.group[TOPK_LOGPROBS] if has_topk else None
+        self.topk_offsets = np.asarray(self.group[TOPK_OFFSETS][:], dtype=np.int64) if has_topk else None
 
     @property
     def num_samples(self) -> int:
@@ -349,6 +434,37 @@ class ShardReader:
         if scales is None or int(scales.shape[0]) != tokens or not int(scales.shape[1]) or width % int(scales.shape[1]):
             return f"its {self.codec.name} features need {SCALES_ARRAY} of shape ({tokens}, layers)"
         return None
+
+    @property
+    def topk_format(self) -> TopKFormat | None:
+        """The top-k this store holds (from its arrays), or None."""
+        if self.topk_ids is None or self.topk_logprobs is None:
+            return None
+        return TopKFormat(int(self.topk_ids.shape[1]), str(self.topk_ids.dtype), str(self.topk_logprobs.dtype))
+
+    def topk_problem(self, expected: TopKFormat | None) -> str | None:
+        """What is wrong with the store's top-k arrays against the cache's manifest (`expected`): absent, of
+        another K or dtype, or not one row per `topk_positions` token; None when sound."""
+        found = self.topk_format
+        if found != expected:
+            return (f"it holds top-k {found and found.record()}, its cache's manifest says "
+                    f"{expected and expected.record()}: the cache mixes two extractions (re-extract it)")
+        if expected is None or self.topk_offsets is None:
+            return None
+        rows = self.topk_offsets
+        if len(rows) != len(self.offsets) or (len(rows) and rows[0] != 0) or bool((np.diff(rows) < 0).any()):
+            return f"its {TOPK_OFFSETS} are not an index of its samples"
+        if not int(self.topk_ids.shape[0]) == int(self.topk_logprobs.shape[0]) == int(rows[-1]):
+            return (f"its top-k arrays have {self.topk_ids.shape[0]} / {self.topk_logprobs.shape[0]} rows, "
+                    f"{TOPK_OFFSETS} says {int(rows[-1])}")
+        return None
+
+    def sample_topk(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample i's top-k rows: (ids [rows, K], log-probs float16 [rows, K]), one per `topk_positions` token."""
+        if self.topk_offsets is None:
+            raise CacheError(f"shard store {self.path} holds no target top-k")
+        start, end = int(self.topk_offsets[i]), int(self.topk_offsets[i + 1])
+        return np.asarray(self.topk_ids[start:end]), np.asarray(self.topk_logprobs[start:end])
 
     def sample_features(self, i: int) -> np.ndarray:
         """The stored rows [length, D] of the codec's stored dtype (`sample_feature_tensor` decodes them)."""

@@ -163,6 +163,20 @@ class LayerCapture:
                 self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             return self.features()
 
+    def decoder_features_and_final(self, input_ids: torch.Tensor,
+                                   attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decoder_features`, run to the end (a capture made without `stop_after_last`): (features, the decoder's
+        last hidden state [batch, length, hidden], after its final norm: what the LM head scores)."""
+        import torch
+
+        if self._stop_at is not None:
+            raise RuntimeError("decoder_features_and_final needs a LayerCapture made without stop_after_last")
+        with torch.inference_mode():
+            with self.active():
+                final = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                                 use_cache=False).last_hidden_state
+            return self.features(), final
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

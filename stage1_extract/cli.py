@@ -67,6 +67,11 @@ def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None)
               help="How features are stored: fp8 e4m3 with one float32 scale per token and layer (half the bytes of "
                    "bf16; quantized on the GPU, dequantized by stage 2 on the GPU), or bf16 (exact). Drafters trained "
                    "on either reached the same acceptance (docs/benchmarks.md, 'fp8 features').")
+@click.option("--store-target-topk", type=click.IntRange(min=1), default=None, metavar="K",
+              help="Also store, for every supervised token, the target's K most likely next tokens and their "
+                   "log-probabilities (what `dflash train --loss kl|mix` distils; K * 4 bytes per supervised token "
+                   "for vocabularies up to 65,536, K * 6 above; docs/cache-format.md). The forward then runs to the "
+                   "LM head.")
 @click.option("--overwrite", is_flag=True,
               help="Redo the selected shards even if complete; discard the cache if its settings differ. Asks first "
                    "on a terminal; elsewhere refused without --yes.")

@@ -66,6 +66,7 @@ class ExtractOptions:
     workers: int | None = None
     batch_tokens: int | None = None
     feature_dtype: str = FEATURE_DTYPES[0]  # the CLI default (docs/benchmarks.md "fp8 features")
+    store_target_topk: int | None = None  # K: store the target's top-k next-token distribution (None: do not)
     overwrite: bool = False
     redo: bool = False  # --repair: redo the selected shards even if complete; never discard the cache
     verbose: bool = False
@@ -78,7 +79,8 @@ class ExtractOptions:
 
         return {"model": local(self.model), "data": local(self.data), "column": self.column, "split": self.split,
                 "max_samples": self.max_samples, "max_length": self.max_length, "overlength": self.overlength,
-                "target_layers": layer_ids, "feature_dtype": self.feature_dtype, "batch_tokens": self.batch_tokens}
+                "target_layers": layer_ids, "feature_dtype": self.feature_dtype, "batch_tokens": self.batch_tokens,
+                "store_target_topk": self.store_target_topk}
 
 
 def confirm_overwrite(out: Path, yes: bool) -> None:
@@ -215,6 +217,8 @@ class Supervisor:
         config = json.loads((folder / "config.json").read_text())
         config = config.get("text_config", config)
         num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+        topk = cf.TopKFormat.for_vocab(opts.store_target_topk, int(config["vocab_size"])) \
+            if opts.store_target_topk else None
         if opts.target_layers:
             layer_ids = validate_layer_ids(list(opts.target_layers), num_layers)
         else:
@@ -242,6 +246,7 @@ class Supervisor:
             "max_length": opts.max_length,
             "overlength": opts.overlength,
             "num_shards": num_shards,
+            "target_topk": topk.record() if topk is not None else None,
         }
         manifest = self._open_manifest(identity, data, target, num_layers, existing)
         stops = stop_token_ids(target.load_path, tokenizer)
@@ -359,6 +364,7 @@ class Supervisor:
             feature_dtype=identity["feature_dtype"],
             attributes={"layer_ids": identity["layer_ids"], "hidden_size": identity["hidden_size"],
                         "feature_dtype": identity["feature_dtype"]},
+            topk=identity.get("target_topk"),
         )
         ranges = split_into_shards(len(data.conversations), int(identity["num_shards"]))
         context = mp.get_context("spawn")

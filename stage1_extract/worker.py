@@ -21,13 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.shared.cache_format import shard_path, write_status
+from dflash.shared.cache_format import TopKFormat, shard_path, topk_positions, write_status
 from dflash.shared.feature_codecs import codec
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.target_layers import LayerCapture, check_embedding_path, embedding_scale
 from dflash.shared.target_loading import load_target_model, load_tokenizer
 from dflash.stage1_extract.conversations import Conversation, TokenizedSample, tokenize_conversation
 from dflash.stage1_extract.shard_writer import FeatureShardWriter
+from dflash.stage1_extract.target_topk import TargetTopK
 
 log = get_logger(__name__)
 
@@ -49,6 +50,7 @@ class WorkerConfig:
     feature_dtype: str = "bf16"  # how the features are stored: a codec of shared/feature_codecs.py
     verbose: bool = False
     attributes: dict[str, Any] = field(default_factory=dict)
+    topk: dict[str, Any] | None = None  # `TopKFormat.record()` of a cache with the target's top-k (else None)
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,12 @@ class ShardExtractor:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.load_path)
         self.model = model if model is not None else load_target_model(config.load_path, str(device))
         check_embedding_path(self.model, embedding_scale(self.model))
-        self.capture = LayerCapture(self.model, config.layer_ids, stop_after_last=True)
+        self.topk = TopKFormat.from_record(config.topk)
+        # Without top-k the forward ends after the deepest captured layer; with it, it runs to the final norm.
+        self.capture = LayerCapture(self.model, config.layer_ids, stop_after_last=self.topk is None)
+        self.topk_head = TargetTopK(self.model, self.topk.k) if self.topk is not None else None
+        if self.topk_head is not None:
+            self.topk_head.check()
         self.hidden_size = int(self.model.config.hidden_size)
         self.feature_dim = self.hidden_size * len(config.layer_ids)
         self.batch_tokens = config.batch_tokens
@@ -177,6 +184,7 @@ class ShardExtractor:
             attributes={**self.config.attributes, "shard": shard},
             codec=self.codec,
             num_layers=self.num_layers,
+            topk=self.topk,
         )
         try:
             for batch in plan_batches(lengths, self.batch_tokens, self.pad_multiple):
@@ -195,6 +203,8 @@ class ShardExtractor:
             writer.abort()
             raise
         stats["bytes"] = int(stats["tokens"]) * self.codec.stored_row_bytes(self.feature_dim, self.num_layers)
+        if self.topk is not None:
+            stats["topk_bytes"] = int(writer.topk_rows) * self.topk.row_bytes
         return stats
 
     def _forward_with_backoff(self, batch: list[TokenizedSample], writer: FeatureShardWriter, shard: int) -> None:
@@ -227,7 +237,15 @@ class ShardExtractor:
             mask[row, : len(sample.input_ids)] = 1
         input_ids = torch.from_numpy(ids).to(self.device, non_blocking=True)
         attention_mask = torch.from_numpy(mask).to(self.device, non_blocking=True)
-        features = self.capture.decoder_features(input_ids, attention_mask)  # [B, width, D]
+        topk = None
+        if self.topk_head is None:
+            features = self.capture.decoder_features(input_ids, attention_mask)  # [B, width, D]
+        else:
+            features, final = self.capture.decoder_features_and_final(input_ids, attention_mask)
+            # The stored top-k of token t is the target's prediction from position t - 1: score the positions
+            # whose next token has a top-k row, samples in order (the store's row order).
+            source = torch.from_numpy(self._topk_sources(batch, width)).to(self.device, non_blocking=True)
+            topk = self.topk_head(final[source])
         rows = features[attention_mask.bool()]  # drop padding on the device: [tokens, D], samples back to back
         rows = self.codec.encode(rows, self.num_layers)  # fp8: quantized here, on the device
         if self.device.type == "cuda":
@@ -239,11 +257,30 @@ class ShardExtractor:
                 host = slot[: rows.shape[0]]
                 host.copy_(rows, non_blocking=True)
                 rows.record_stream(self.copy_stream)
+                if topk is not None:  # small (K * 6 bytes per row): pinned buffers from torch's caching allocator
+                    topk = tuple(_to_pinned_host(t, self.copy_stream) for t in topk)
                 ready = torch.cuda.Event()
                 ready.record(self.copy_stream)
-            writer.submit(host, ready, release)
+            writer.submit(host, ready, release, topk=topk)
         else:
-            writer.submit(rows)
+            writer.submit(rows, topk=topk)
+
+    @staticmethod
+    def _topk_sources(batch: list[TokenizedSample], width: int) -> np.ndarray:
+        """bool [B, width]: the positions t of the padded batch whose next token t + 1 has a top-k row."""
+        source = np.zeros((len(batch), width), dtype=bool)
+        for row, sample in enumerate(batch):
+            positions = topk_positions(sample.loss_mask, np.array([0, len(sample.input_ids)]))
+            source[row, : len(positions) - 1] = positions[1:]
+        return source
+
+
+def _to_pinned_host(tensor: torch.Tensor, stream: Any) -> torch.Tensor:
+    """An asynchronous copy of a device tensor into pinned host memory, on `stream` (the caller records the event)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    tensor.record_stream(stream)
+    return host
 
 
 def worker_main(worker_id: int, device_name: str, config: WorkerConfig, tasks: Any, events: Any) -> None:

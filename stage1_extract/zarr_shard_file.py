@@ -33,10 +33,10 @@ def _crc(data: np.ndarray | bytes) -> bytes:
 
 
 def shard_file_pieces(rows: np.ndarray, chunk_rows: int, shard_rows: int) -> list[bytes | memoryview]:
-    """The byte pieces of one shard file holding `rows` ([n <= shard_rows, D] little-endian uint16, or uint8)
-    in order."""
-    if rows.dtype not in (np.dtype("<u2"), np.dtype("u1")) or not rows.flags.c_contiguous:
-        raise ValueError("rows must be C-contiguous little-endian uint16 or uint8")
+    """The byte pieces of one shard file holding `rows` ([n <= shard_rows, D] of a little-endian dtype of the array
+    `bytes(little)` codec: uint8, uint16, int32, float16, ...) in order."""
+    if rows.dtype.byteorder == ">" or rows.dtype.kind not in "uif" or not rows.flags.c_contiguous:
+        raise ValueError("rows must be a C-contiguous little-endian integer or float array")
     n, width = rows.shape
     inner = shard_rows // chunk_rows
     index = np.full((inner, 2), EMPTY, dtype="<u8")

@@ -34,7 +34,11 @@ from dflash.stage2_train.options import TrainOptions
               help="Token whose embedding fills unknown block positions. Default: the reference resolution order.")
 @click.option("--loss", type=click.Choice(list(OBJECTIVES)), default="ce", show_default=True,
               help="Training objective (stage2_train/objective.py): ce = the reference's gamma-weighted "
-                   "cross-entropy on the target's tokens.")
+                   "cross-entropy on the target's tokens; kl = KL from the target's top-k distribution (its other "
+                   "tokens as one bucket) to the drafter's, same weights; mix = (1 - w) ce + w kl. kl and mix need a "
+                   "cache extracted with --store-target-topk K.")
+@click.option("--kl-weight", type=click.FloatRange(0, 1), default=TrainOptions.kl_weight, show_default=True,
+              help="w of --loss mix: the KL term's share.")
 @click.option("--lr", type=float, default=TrainOptions.lr, show_default=True,
               help="Peak learning rate of AdamW (warm-up, then cosine to 0).")
 @click.option("--warmup", type=float, default=0.04, show_default=True, help="Warm-up fraction of the steps.")

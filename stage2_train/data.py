@@ -213,7 +213,7 @@ class CacheIndex:
         dropped = dropped_tokens = 0
         for shard in done:
             offsets, counts, sample_index = _scan_shard(cache_dir, shard, entries[shard], feature_dim,
-                                                        manifest_codec(manifest))
+                                                        manifest_codec(manifest), cf.TopKFormat.of_manifest(manifest))
             lengths = np.diff(offsets)
             keep = counts > 0
             dropped += int((~keep).sum())
@@ -276,8 +276,8 @@ class CacheIndex:
         }
 
 
-def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any], feature_dim: int,
-                codec: FeatureCodec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any], feature_dim: int, codec: FeatureCodec,
+                topk: cf.TopKFormat | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(offsets, anchor-candidate counts, sample_index) of one finished shard, checked against the manifest."""
     path = shard_source(cache_dir, shard)
     if isinstance(path, Path) and not path.is_dir():
@@ -309,9 +309,11 @@ def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any], feature_dim:
     if features_shape != (tokens, feature_dim):
         problems.append(f"its features have shape {features_shape}, expected {(tokens, feature_dim)}")
     elif isinstance(path, Path):  # a local store: its file sizes (in a bucket, checksums catch damage on read)
-        problems += cf.feature_file_problems(path, reader.features)
+        problems += cf.store_file_problems(path, reader)
     if (scales_problem := reader.scales_problem()) is not None:
         problems.append(scales_problem)
+    if (topk_problem := reader.topk_problem(topk)) is not None:
+        problems.append(topk_problem)
     if problems:
         raise _shard_error(cache_dir, shard, "does not match the manifest: " + "; ".join(problems))
     return offsets, _candidate_counts(loss_mask, offsets), sample_index
@@ -406,6 +408,8 @@ class _Store:
             self.feature_scales = reader.feature_scales  # scaled codecs (fp8) only
             self.input_ids = reader.group["input_ids"]
             self.loss_mask = reader.group["loss_mask"]
+            self.topk_ids, self.topk_logprobs = reader.topk_ids, reader.topk_logprobs  # a cache with top-k only
+            self.topk_offsets = reader.topk_offsets
             self.group = reader.group
         except Exception as error:  # noqa: BLE001
             raise _shard_error(cache_dir, shard, f"cannot be opened ({error})") from error
@@ -461,7 +465,9 @@ class CacheBatches(IterableDataset):
     sequence on a second flat axis of N = `bucket`(blocks, 8) entries: block_anchor long [N] (the anchor's position
     inside its sequence), block_sequence long [N] (index into lengths) and block_valid bool [N] (False for the
     padding at the end), sequence by sequence with anchors sorted; sample_keys long [B, 2] (shard, row) and
-    position (int: the micro-batch's index in this rank's plan). Anchors: `sample_anchors` with `rule`.
+    position (int: the micro-batch's index in this rank's plan). Anchors: `sample_anchors` with `rule`. A cache with
+    the target's top-k adds topk_ids int32 [C, K] and topk_logprobs float16 [C, K]: at each supervised position
+    (`cache_format.topk_positions`) the target's prediction for the token there, zeros elsewhere.
     """
 
     def __init__(self, cache_dir: Path | str, plan: Sequence[Sequence[Sample]], start: int = 0, *, epoch: int,
@@ -474,7 +480,9 @@ class CacheBatches(IterableDataset):
         self.start = int(start)
         self.rule = rule if rule is not None else AnchorRule()
         self.bucket_multiple = int(bucket_multiple)
-        self.codec = manifest_codec(cf.read_manifest(self.cache_dir))
+        manifest = cf.read_manifest(self.cache_dir)
+        self.codec = manifest_codec(manifest)
+        self.topk = cf.TopKFormat.of_manifest(manifest)
         # Compact arrays instead of Python objects: cheap to pickle into spawned workers.
         sizes = np.array([len(batch) for batch in plan], dtype=np.int64)
         self._bounds = np.zeros(len(plan) + 1, dtype=np.int64)
@@ -524,6 +532,8 @@ class CacheBatches(IterableDataset):
         scales = _empty_tensor((width, columns), torch.float32, shared) if columns else None
         input_ids = np.zeros(width, dtype=np.int32)
         loss_mask = np.zeros(width, dtype=np.uint8)
+        topk = None if self.topk is None else (np.zeros((width, self.topk.k), dtype=np.int32),
+                                               np.zeros((width, self.topk.k), dtype=np.float16))
         anchors: list[np.ndarray] = []
         for (shard, row, length), begin in zip(rows.tolist(), starts.tolist()):
             store = self._store(shard)
@@ -534,6 +544,9 @@ class CacheBatches(IterableDataset):
                     _read_into(store.feature_scales, start, end, scales.numpy()[begin : begin + length])
                 _read_into(store.input_ids, start, end, input_ids[begin : begin + length])
                 _read_into(store.loss_mask, start, end, loss_mask[begin : begin + length])
+                if topk is not None:
+                    _read_topk(store, row, loss_mask[begin : begin + length], topk[0][begin : begin + length],
+                               topk[1][begin : begin + length])
             except Exception as error:  # noqa: BLE001 - a checksum failure or a vanished file
                 raise _shard_error(self.cache_dir, shard,
                                    f"could not be read at sample {row} ({type(error).__name__}: {error})") from error
@@ -564,7 +577,23 @@ class CacheBatches(IterableDataset):
         }
         if scales is not None:
             batch["feature_scales"] = scales
+        if topk is not None:
+            batch["topk_ids"], batch["topk_logprobs"] = torch.from_numpy(topk[0]), torch.from_numpy(topk[1])
         return batch
+
+
+def _read_topk(store: _Store, row: int, loss_mask: np.ndarray, ids_out: np.ndarray, logprobs_out: np.ndarray) -> None:
+    """Sample `row`'s stored top-k rows into the rows of its `topk_positions` tokens (the other rows stay 0)."""
+    start, end = int(store.topk_offsets[row]), int(store.topk_offsets[row + 1])
+    positions = cf.topk_positions(loss_mask, np.array([0, len(loss_mask)]))
+    if end - start != int(positions.sum()):
+        raise ValueError(f"{end - start} top-k rows for {int(positions.sum())} supervised tokens")
+    ids = np.empty((end - start, ids_out.shape[1]), dtype=store.topk_ids.dtype)
+    logprobs = np.empty((end - start, logprobs_out.shape[1]), dtype=store.topk_logprobs.dtype)
+    _read_into(store.topk_ids, start, end, ids)
+    _read_into(store.topk_logprobs, start, end, logprobs)
+    ids_out[positions] = ids
+    logprobs_out[positions] = logprobs
 
 
 def split_packed_batch(batch: dict[str, Any], ranges: Sequence[tuple[int, int]],
@@ -601,8 +630,9 @@ def split_packed_batch(batch: dict[str, Any], ranges: Sequence[tuple[int, int]],
             "sample_keys": batch["sample_keys"][a:b].clone(),
             "position": batch["position"],
         }
-        if "feature_scales" in batch:
-            part["feature_scales"] = padded(batch["feature_scales"][begin:end], width)
+        for name in ("feature_scales", "topk_ids", "topk_logprobs"):
+            if name in batch:
+                part[name] = padded(batch[name][begin:end], width)
         parts.append(part)
     return parts
 
@@ -626,22 +656,39 @@ def packed_layout(batch: dict[str, Any], block_size: int) -> PackedLayout:
                         block_size=block_size)
 
 
+def _block_positions(batch: dict[str, Any], layout: PackedLayout) -> tuple[Tensor, Tensor]:
+    """(at [N, Bk]: the flat context position p + k of each block entry, clamped into the axis; inside [N, Bk]:
+    whether that position exists in the block's own sequence, for a valid block)."""
+    offsets = torch.arange(layout.block_size, device=layout.device)
+    ends = (batch["context_starts"] + batch["lengths"])[batch["block_sequence"]]  # one past each block's sequence
+    flat = layout.block_context_start[:, None] + layout.block_anchor[:, None] + offsets  # [N, Bk]
+    inside = (flat < ends[:, None]) & layout.block_valid[:, None]
+    return flat.clamp(max=layout.context_len - 1), inside
+
+
 def packed_block_labels(batch: dict[str, Any], layout: PackedLayout, mask_token_id: int) -> tuple[Tensor, Tensor]:
     """Labels and block inputs of the DFlash objective for a packed batch: labels [1, N, Bk] long, the token at
     position p + k of the block's own sequence for k >= 1 where that position exists and is supervised, else -100;
     block inputs [1, N, Bk] long, [token at p, MASK, ...] (all MASK for a padding block)."""
-    bk = layout.block_size
-    offsets = torch.arange(bk, device=layout.device)
-    ends = (batch["context_starts"] + batch["lengths"])[batch["block_sequence"]]  # one past each block's sequence
-    flat = layout.block_context_start[:, None] + layout.block_anchor[:, None] + offsets  # [N, Bk]
-    inside = (flat < ends[:, None]) & layout.block_valid[:, None]
-    at = flat.clamp(max=layout.context_len - 1)
+    offsets = torch.arange(layout.block_size, device=layout.device)
+    at, inside = _block_positions(batch, layout)
     tokens = batch["input_ids"][at]
     keep = inside & batch["loss_mask"][at] & (offsets >= 1)
     labels = torch.where(keep, tokens, torch.full_like(tokens, IGNORE_INDEX))
     block_ids = torch.full_like(tokens, int(mask_token_id))
     block_ids[:, 0] = torch.where(layout.block_valid, tokens[:, 0], torch.full_like(tokens[:, 0], int(mask_token_id)))
     return labels[None], block_ids[None]
+
+
+def packed_block_topk(batch: dict[str, Any], layout: PackedLayout) -> tuple[Tensor, Tensor] | None:
+    """The target's top-k of each label position of a packed batch, taken exactly where `packed_block_labels`
+    takes the label (the stored row of position p + k is the target's prediction for the token there): ids
+    [1, N, Bk, K] int32 and log-probabilities [1, N, Bk, K] float16 (zeros where nothing is supervised); None for a
+    cache without top-k."""
+    if "topk_ids" not in batch:
+        return None
+    at, _ = _block_positions(batch, layout)
+    return batch["topk_ids"][at][None], batch["topk_logprobs"][at][None]
 
 
 def make_loader(dataset: CacheBatches, num_workers: int, *, prefetch_factor: int = 2,

@@ -17,6 +17,29 @@ the supervised positions first and runs a fused "linear + cross-entropy" over ch
 are built, turned into the loss and the gradient w.r.t. the hidden states (and the LM head, if it requires
 grad), and freed. Only [N, H] gradients are kept for backward; peak extra memory is one chunk of float32 logits.
 The cross-entropy is computed in float32 whatever the input dtype.
+
+Distillation (`block_loss` with the target's top-k, `dflash train --loss kl|mix`): the cache holds, for every label
+position, the target's K most likely next tokens and their log-probabilities under its full softmax (stage 1,
+`--store-target-topk K`). The KL term of a position is KL(p || q) from the target's distribution p to the drafter's
+q, both over K + 1 outcomes: the K stored tokens, and one "other" bucket holding everything else, with the target's
+remaining mass p_tail = 1 - sum_j p_j against the drafter's mass outside those K tokens, q_tail = 1 - sum_j q_j:
+
+    KL = sum_j p_j (log p_j - log q_j) + p_tail (log p_tail - log q_tail)
+
+Why a bucket and not renormalising the top-k to sum to 1: with the bucket, the drafter that equals the target has
+KL = 0, the minimum (the bucket's KL is the KL of the two distributions coarsened to K + 1 outcomes, never more than
+the full KL, and equal to it when the target puts no mass outside its top-k, e.g. K = vocabulary size); renormalised,
+the target itself scores -log(sum_j p_j) > 0 and the optimum is a drafter more confident than the target, by exactly
+the mass the top-k leaves out. The gradient w.r.t. the drafter's logits is q - p*, where p* is p on the K tokens and
+p_tail spread over the others in the drafter's own proportions (p_tail q_v / q_tail). Stored log-probabilities are
+float16, so their sum may exceed 1 by rounding: then p_tail = 0 and the K probabilities are divided by their sum.
+log q_tail is a logsumexp over the logits outside the K tokens (exact, also when q_tail underflows float32), and the
+tail's gradient is built from exp(z_v - logsumexp_tail) <= 1, so nothing overflows.
+
+`block_loss` computes ce_weight * CE + kl_weight * KL per position (the objective picks the weights: ce 1/0, kl 0/1,
+mix 1-w/w), under the same position weights and global normalisation as the cross-entropy, in the same chunks and
+float32, from one LM head product per chunk; its memory is the cross-entropy's (one chunk of float32 logits and one
+temporary of that size).
 """
 
 from __future__ import annotations
@@ -72,32 +95,75 @@ def weight_sum(labels: Tensor, weights: Tensor) -> Tensor:
     return (counts * weights.to(device=counts.device, dtype=torch.float64)).sum().to(torch.float32)
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_i scale_i * CE(hidden_i @ weight.T, label_i), chunked over i; gradients computed in the forward."""
+def target_distribution(topk_logprobs: Tensor, vocab_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The target's distribution over K + 1 outcomes from stored top-k log-probabilities [n, K] (any float dtype):
+    (p [n, K], log p [n, K], p_tail [n], log p_tail [n]) in float32, summing to 1. p_tail = 1 - sum_j p_j, or 0
+    when the sum exceeds 1 by rounding (the K probabilities are then divided by their sum) and when K covers the
+    whole vocabulary (no "other" token exists)."""
+    logprobs = topk_logprobs.float()
+    mass = logprobs.exp().sum(dim=-1)
+    tail = (1.0 - mass).clamp_min(0.0) if topk_logprobs.shape[-1] < vocab_size else torch.zeros_like(mass)
+    log_total = torch.log(mass + tail)
+    log_p = logprobs - log_total[:, None]
+    return log_p.exp(), log_p, tail / (mass + tail), torch.log(tail) - log_total
+
+
+class _ChunkedLinearLoss(torch.autograd.Function):
+    """sum_i scale_i * (ce_weight * CE_i + kl_weight * KL_i) over rows i of hidden @ weight.T, chunked; gradients
+    computed in the forward. KL_i needs the target's top-k ids / log-probs of row i (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, pos_weights: Tensor, denominator: Tensor,
-                chunk_size: int, want_grad: bool):
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, topk_ids: Tensor | None,
+                topk_logprobs: Tensor | None, pos_weights: Tensor, denominator: Tensor, ce_weight: float,
+                kl_weight: float, chunk_size: int, want_grad: bool):
         num = hidden.shape[0]
+        vocab = weight.shape[0]
         need_h = want_grad and ctx.needs_input_grad[0]
         need_w = want_grad and ctx.needs_input_grad[1]
+        distill = topk_ids is not None and topk_logprobs is not None
         weighted_ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        weighted_kl = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(num, dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        scale = pos_weights / denominator  # [N] float32: d loss / d CE_i
+        scale = pos_weights / denominator  # [N] float32: d loss / d (ce_weight CE_i + kl_weight KL_i)
         for start in range(0, num, chunk_size):
             end = min(start + chunk_size, num)
-            h, lab = hidden[start:end], labels[start:end]
+            h, lab, rows = hidden[start:end], labels[start:end], torch.arange(end - start, device=hidden.device)
             logits = (h @ weight.t()).float()  # [n, V]; the only large buffer
             lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, lab[:, None])[:, 0]
-            weighted_ce += (pos_weights[start:end] * (lse - target_logit)).sum()
+            weighted_ce += (pos_weights[start:end] * (lse - logits[rows, lab])).sum()
             correct[start:end] = logits.argmax(dim=-1) == lab
+            if distill:
+                ids = topk_ids[start:end].long()
+                p, log_p, p_tail, log_p_tail = target_distribution(topk_logprobs[start:end], vocab)
+                top_logits = logits.gather(1, ids)
+                logits.scatter_(1, ids, -math.inf)  # the "other" bucket: every logit but the K stored ones
+                tail_lse = torch.logsumexp(logits, dim=-1)  # -inf when K covers the vocabulary
+                logits.scatter_(1, ids, top_logits)
+                log_q = top_logits - lse[:, None]
+                tail_term = torch.where(p_tail > 0, p_tail * (log_p_tail - (tail_lse - lse)), 0.0)
+                kl = (p * (log_p - log_q)).sum(dim=-1) + tail_term
+                weighted_kl += (pos_weights[start:end] * kl).sum()
             if need_h or need_w:
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-                probs[torch.arange(end - start, device=probs.device), lab] -= 1.0
-                grad_logits = probs.mul_(scale[start:end, None])  # [n, V] float32
+                if not distill:
+                    grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+                    if ce_weight != 1.0:
+                        grad_logits.mul_(ce_weight)
+                else:
+                    # d/dz = (ce_weight + kl_weight) q - ce_weight onehot(label) - kl_weight p*, where p* is p on the
+                    # K tokens and p_tail q_v / q_tail on the others: the others as exp(z_v - tail_lse) (<= 1)
+                    # times ((ce_weight + kl_weight) q_tail - kl_weight p_tail); the K columns are then overwritten.
+                    total = ce_weight + kl_weight
+                    has_tail = torch.isfinite(tail_lse)
+                    q_tail = torch.where(has_tail, (tail_lse - lse).exp(), 0.0)
+                    factor = total * q_tail - kl_weight * p_tail
+                    grad_logits = logits.sub_(torch.where(has_tail, tail_lse, lse)[:, None]).exp_()
+                    grad_logits.mul_(factor[:, None])
+                    grad_logits.scatter_(1, ids, total * log_q.exp() - kl_weight * p)
+                if ce_weight:
+                    grad_logits[rows, lab] -= ce_weight
+                grad_logits.mul_(scale[start:end, None])  # [n, V] float32
                 if need_h:
                     grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
                 if need_w:
@@ -106,11 +172,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(*(t for t in (grad_hidden, grad_weight) if t is not None))
         ctx.has = (need_h, need_w)
         ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(weighted_ce, correct)
-        return weighted_ce / denominator, weighted_ce, correct
+        ctx.mark_non_differentiable(weighted_ce, weighted_kl, correct)
+        loss = (ce_weight * weighted_ce + kl_weight * weighted_kl) / denominator
+        return loss, weighted_ce, weighted_kl, correct
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, _grad_ce: Tensor | None, _grad_correct: Tensor | None):
+    def backward(ctx, grad_loss: Tensor, _grad_ce: Tensor | None, _grad_kl: Tensor | None,
+                 _grad_correct: Tensor | None):
         saved = list(ctx.saved_tensors)
         need_h, need_w = ctx.has
         grad_hidden = grad_weight = None
@@ -119,7 +187,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if need_w:
             grad_weight = (saved.pop(0) * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 def dflash_loss(
@@ -145,6 +213,30 @@ def dflash_loss(
       count_by_position   [Bk] long, supervised counts per block offset (accuracy = correct / count);
       num_tokens       long scalar, number of supervised positions.
     """
+    return block_loss(hidden, lm_head_weight, labels, weights, global_weight_sum, chunk_size=chunk_size)
+
+
+def block_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    global_weight_sum: Tensor | float,
+    *,
+    topk_ids: Tensor | None = None,
+    topk_logprobs: Tensor | None = None,
+    ce_weight: float = 1.0,
+    kl_weight: float = 0.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """ce_weight * CE + kl_weight * KL (module docstring) of one micro-batch, position-weighted, divided by the
+    global weight sum; `dflash_loss` is its cross-entropy alone.
+
+    Arguments as `dflash_loss`, and topk_ids / topk_logprobs: [B, A, Bk, K] the target's top-k of each label
+    position (aligned with labels; read only where labels != -100), needed when kl_weight > 0. Stats as
+    `dflash_loss`'s, and weighted_kl_sum (sum of w_k * KL; 0 without top-k). CE is computed and reported whatever
+    its weight (it is one gather beside the logsumexp the KL needs anyway).
+    """
     if labels.dim() != 3:
         raise ValueError(f"labels must be [B, A, Bk], got shape {tuple(labels.shape)}")
     batch, num_blocks, block = labels.shape
@@ -157,6 +249,15 @@ def dflash_loss(
         raise ValueError(f"weights has shape {tuple(weights.shape)}, want ({block},)")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if ce_weight < 0 or kl_weight < 0:
+        raise ValueError(f"loss weights must be >= 0, got ce {ce_weight}, kl {kl_weight}")
+    distill = topk_ids is not None and topk_logprobs is not None
+    if kl_weight and not distill:
+        raise ValueError("a KL term needs the target's top-k (topk_ids and topk_logprobs)")
+    if distill:
+        for name, tensor in (("topk_ids", topk_ids), ("topk_logprobs", topk_logprobs)):
+            if tensor.shape[:3] != labels.shape or tensor.dim() != 4:
+                raise ValueError(f"{name} {tuple(tensor.shape)} does not match labels {tuple(labels.shape)} + (K,)")
     device = hidden.device
 
     flat_labels = labels.reshape(-1).to(device)
@@ -164,13 +265,19 @@ def dflash_loss(
     offsets = index % block
     selected_labels = flat_labels[index].long()
     selected_hidden = hidden.reshape(-1, hidden_size).index_select(0, index)  # autograd scatters back
+    selected_ids = selected_logprobs = None
+    if distill:
+        k = topk_ids.shape[-1]
+        selected_ids = topk_ids.reshape(-1, k).to(device).index_select(0, index)
+        selected_logprobs = topk_logprobs.reshape(-1, k).to(device).index_select(0, index)
     pos_weights = weights.to(device=device, dtype=torch.float32)[offsets]
     denominator = torch.as_tensor(global_weight_sum, dtype=torch.float32, device=device).detach()
     denominator = denominator.clamp_min(torch.finfo(torch.float32).tiny)
     want_grad = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
 
-    loss, weighted_ce, correct = _ChunkedLinearCrossEntropy.apply(
-        selected_hidden, lm_head_weight, selected_labels, pos_weights, denominator, chunk_size, want_grad
+    loss, weighted_ce, weighted_kl, correct = _ChunkedLinearLoss.apply(
+        selected_hidden, lm_head_weight, selected_labels, selected_ids, selected_logprobs, pos_weights, denominator,
+        float(ce_weight), float(kl_weight), chunk_size, want_grad
     )
     correct_by_position = torch.zeros(block, dtype=torch.long, device=device).index_add_(0, offsets, correct.long())
     count_by_position = torch.zeros(block, dtype=torch.long, device=device).index_add_(
@@ -178,6 +285,7 @@ def dflash_loss(
     )
     stats = {
         "weighted_ce_sum": weighted_ce.detach(),
+        "weighted_kl_sum": weighted_kl.detach(),
         "weight_sum": weight_sum(labels.to(device), weights.to(device)),
         "correct_by_position": correct_by_position,
         "count_by_position": count_by_position,

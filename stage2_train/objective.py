@@ -5,17 +5,25 @@ An objective takes the drafter's final hidden states of the micro-batch's blocks
 provides), the weight of each block offset [Bk], and the weight sum of the whole global step (all processes and
 accumulation steps, so that the update does not depend on how the global batch is split). It returns the loss of
 this micro-batch, already divided by that sum, and its statistics (at least `correct_by_position` and
-`count_by_position`, [Bk] each, for the accuracy the loop logs).
+`count_by_position`, [Bk] each, for the accuracy the loop logs; `terms`, optional: the loss's named parts, each
+divided by the global weight sum like the loss, which the loop logs as `loss_<name>`).
 
-Adding an objective: a function here with this signature, an entry in `OBJECTIVES` (the `--loss` choices), and its
-tests.
+Adding an objective: a function here with this signature, an entry in `OBJECTIVES` (the `--loss` choices), any
+option it needs (in options.py and the CLI; `bind_options` passes a keyword-only parameter the option of the same
+name), and its tests. An objective that needs the target's top-k in the cache is listed in `NEEDS_TARGET_TOPK`.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from dflash.shared.errors import UserError
+from dflash.stage2_train.options import DEFAULT_KL_WEIGHT
 
 if TYPE_CHECKING:  # torch is imported where it is used: `dflash train --help` lists OBJECTIVES without it
     from torch import Tensor
@@ -31,6 +39,10 @@ class MicroBatch:
     block_ids: Tensor  # [1, N, Bk] block inputs: [anchor token, MASK, ...]
     labels: Tensor  # [1, N, Bk] the target's tokens at offsets 1..Bk-1, -100 where not supervised
     layout: PackedLayout  # where the sequences and their blocks sit, for the attention masks and positions
+    # The target's top-k next-token distribution of each label position (a cache extracted with
+    # --store-target-topk; else None): ids [1, N, Bk, K] int32 and log-probabilities [1, N, Bk, K] float16.
+    topk_ids: Tensor | None = None
+    topk_logprobs: Tensor | None = None
 
 
 # (hidden, lm_head, micro-batch, position weights, global weight sum) -> (loss, stats)
@@ -47,4 +59,55 @@ def block_cross_entropy(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, posi
     return dflash_loss(hidden.to(lm_head.dtype), lm_head, batch.labels, position_weights, global_weight_sum)
 
 
-OBJECTIVES: dict[str, Objective] = {"ce": block_cross_entropy}
+def block_kl(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, position_weights: Tensor,
+             global_weight_sum: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Distillation: KL(target || drafter) at the same positions, weights and normalisation as `ce`, from the
+    target's top-k with its remaining mass as one "other" bucket (`loss.block_loss`, module docstring: why the
+    bucket, and K = vocabulary size is the full KL). The cross-entropy is logged beside it (`loss_ce`)."""
+    return _distill(hidden, lm_head, batch, position_weights, global_weight_sum, ce_weight=0.0, kl_weight=1.0)
+
+
+def block_mix(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, position_weights: Tensor,
+              global_weight_sum: Tensor, *, kl_weight: float = DEFAULT_KL_WEIGHT) -> tuple[Tensor, dict[str, Tensor]]:
+    """(1 - w) * CE + w * KL with w = --kl-weight, both terms as in `ce` and `kl`, from one LM head product."""
+    return _distill(hidden, lm_head, batch, position_weights, global_weight_sum, ce_weight=1.0 - kl_weight,
+                    kl_weight=kl_weight)
+
+
+def _distill(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, position_weights: Tensor, global_weight_sum: Tensor,
+             *, ce_weight: float, kl_weight: float) -> tuple[Tensor, dict[str, Any]]:
+    from dflash.stage2_train.loss import block_loss
+
+    if batch.topk_ids is None or batch.topk_logprobs is None:
+        raise ValueError("this objective needs the target's top-k in the micro-batch (NEEDS_TARGET_TOPK)")
+    loss, stats = block_loss(hidden.to(lm_head.dtype), lm_head, batch.labels, position_weights, global_weight_sum,
+                             topk_ids=batch.topk_ids, topk_logprobs=batch.topk_logprobs, ce_weight=ce_weight,
+                             kl_weight=kl_weight)
+    import torch
+
+    denominator = torch.as_tensor(global_weight_sum, dtype=torch.float32, device=loss.device)
+    denominator = denominator.clamp_min(torch.finfo(torch.float32).tiny)
+    stats["terms"] = {"ce": stats["weighted_ce_sum"] / denominator, "kl": stats["weighted_kl_sum"] / denominator}
+    return loss, stats
+
+
+OBJECTIVES: dict[str, Objective] = {"ce": block_cross_entropy, "kl": block_kl, "mix": block_mix}
+NEEDS_TARGET_TOPK = frozenset({"kl", "mix"})
+
+
+def bind_options(name: str, options: Any) -> Objective:
+    """The `--loss` objective `name` with its options bound: each keyword-only parameter of its function gets the
+    option (an attribute of `options`) of the same name."""
+    objective = OBJECTIVES[name]
+    keywords = {parameter.name: getattr(options, parameter.name)
+                for parameter in inspect.signature(objective).parameters.values()
+                if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
+    return functools.partial(objective, **keywords) if keywords else objective
+
+
+def check_cache_for(name: str, manifest: dict[str, Any], cache: Path | str) -> None:
+    """Refuse `--loss name` on a cache without what it needs (the target's top-k for kl and mix), in one line."""
+    if name in NEEDS_TARGET_TOPK and not manifest["identity"].get("target_topk"):
+        raise UserError(f"--loss {name} distils the target's top-k next-token distribution, which the cache {cache} "
+                        "does not hold: re-extract it with its options plus --store-target-topk K (`dflash extract "
+                        "... --store-target-topk 32`), or train with --loss ce")

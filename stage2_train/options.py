@@ -12,6 +12,7 @@ DEFAULT_MAX_ANCHORS = 512  # the reference's anchors per sequence; with a densit
 # 3,072-token sequences (about one per 6 positions); on the H200 the SmolLM2 drafter trained best per GPU-second at
 # 64 anchors for ~400-token answers (1/6 of the answer; docs/benchmarks.md).
 DEFAULT_ANCHOR_DENSITY = 1 / 6
+DEFAULT_KL_WEIGHT = 0.5  # --kl-weight: the KL term's share of `--loss mix` (the cross-entropy has the rest)
 
 
 @dataclass
@@ -25,6 +26,7 @@ class TrainOptions:
     sliding_window: int | None = None
     mask_token_id: int | None = None
     loss: str = "ce"
+    kl_weight: float = DEFAULT_KL_WEIGHT
     lr: float = 6e-4
     warmup: float = 0.04
     weight_decay: float = 0.0

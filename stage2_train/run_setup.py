@@ -32,7 +32,7 @@ from dflash.stage2_train.draft_model import DFlashConfig, DFlashDecoderLayer, DF
 from dflash.stage2_train.loss import default_gamma, position_weights
 from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, in_use_bytes, limit_from_option,
                                              make_plan, step_bytes)
-from dflash.stage2_train.objective import OBJECTIVES, Objective
+from dflash.stage2_train.objective import OBJECTIVES, Objective, bind_options, check_cache_for
 from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.target_parts import TargetParts, load_target_parts, resolve_mask_token
 
@@ -139,8 +139,12 @@ class TrainingRun:
 
 
 def setup_run(options: TrainOptions) -> TrainingRun:
-    """Build a run in order: accelerator and logs, cache and split, drafter, optimizer and schedule, compile; then
-    the resume point (checkpoint loaded) and the run's records on disk."""
+    """Build a run in order: the objective (refused at once on a cache without what it needs), accelerator and
+    logs, cache and split, drafter, optimizer and schedule, compile; then the resume point (checkpoint loaded) and
+    the run's records on disk."""
+    if options.loss not in OBJECTIVES:
+        raise UserError(f"--loss {options.loss}: choose one of {', '.join(OBJECTIVES)}")
+    check_cache_for(options.loss, cf.read_manifest(options.cache.resolve()), options.cache)
     files = RunFiles(options.out.resolve())
     lock = claim_run_dir(options, files)
     accelerator, precision = make_accelerator(options, files)
@@ -159,12 +163,11 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     # Frozen target parts in the compute dtype (bf16 under mixed precision; fp32 otherwise, e.g. CPU tests).
     compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     device = accelerator.device
-    if options.loss not in OBJECTIVES:
-        raise UserError(f"--loss {options.loss}: choose one of {', '.join(OBJECTIVES)}")
     run = TrainingRun(
         options=options, files=files, accelerator=accelerator, cache=cache, manifest=manifest,
         codec=manifest_codec(manifest), index=index, parts=parts, config=config, mask_token_id=mask_token_id,
-        model=model, optimizer=None, scheduler=None, objective=OBJECTIVES[options.loss], compute_dtype=compute_dtype,
+        model=model, optimizer=None, scheduler=None, objective=bind_options(options.loss, options),
+        compute_dtype=compute_dtype,
         embed=parts.embed_tokens.to(device, compute_dtype), lm_head=parts.lm_head.to(device, compute_dtype),
         position_weights=position_weights(options.block_size, options.gamma or default_gamma(options.block_size),
                                           device=device),

@@ -28,6 +28,7 @@ from dflash.stage2_train.checkpoints import has_checkpoint, save_checkpoint
 from dflash.stage2_train.data import (
     eval_sequences,
     packed_block_labels,
+    packed_block_topk,
     packed_layout,
     sequence_blocks,
     split_packed_batch,
@@ -140,8 +141,11 @@ def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
                                 None if scales is None else scales.to(device, non_blocking=True), run.compute_dtype)
     if feature_transform is not None:
         features = feature_transform(features)
+    topk = packed_block_topk(batch, layout)  # the target's top-k of each label position, where the cache has it
+    topk_ids, topk_logprobs = (None, None) if topk is None else (t.to(device, non_blocking=True) for t in topk)
     return MicroBatch(features=features[None], block_ids=block_ids.to(device, non_blocking=True),
-                      labels=labels.to(device, non_blocking=True), layout=layout.to(device, non_blocking=True))
+                      labels=labels.to(device, non_blocking=True), layout=layout.to(device, non_blocking=True),
+                      topk_ids=topk_ids, topk_logprobs=topk_logprobs)
 
 
 def forward_loss(run: TrainingRun, micro: MicroBatch, global_weight_sum: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -162,6 +166,7 @@ def train_step(run: TrainingRun, micro_batches: list[MicroBatch]) -> dict[str, A
     step_loss = torch.zeros((), device=run.device)
     correct = torch.zeros(options.block_size, device=run.device)
     counted = torch.zeros(options.block_size, device=run.device)
+    terms: dict[str, Tensor] = {}  # the objective's named loss terms (e.g. ce and kl of --loss mix)
     block_tokens = 0
     for i, micro in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -170,6 +175,8 @@ def train_step(run: TrainingRun, micro_batches: list[MicroBatch]) -> dict[str, A
             # DDP averages gradients over processes; the loss is already globally normalised.
             accelerator.backward(loss * run.world)
         step_loss += loss.detach()
+        for name, value in stats.get("terms", {}).items():
+            terms[name] = terms.get(name, 0) + value.detach()
         correct += stats["correct_by_position"].float()
         counted += stats["count_by_position"].float()
         block_tokens += int(micro.layout.block_valid.sum()) * options.block_size
@@ -182,10 +189,13 @@ def train_step(run: TrainingRun, micro_batches: list[MicroBatch]) -> dict[str, A
     global_loss = accelerator.reduce(step_loss, reduction="sum")
     correct = accelerator.reduce(correct, reduction="sum")
     counted = accelerator.reduce(counted, reduction="sum")
-    return {"step": run.state.step, "loss": float(global_loss), "lr": run.scheduler.get_last_lr()[0],
-            "accuracy": float(correct[1:].sum() / counted[1:].sum().clamp(min=1)),
-            "labels": int(counted[1:].sum()),  # supervised drafted tokens in the global batch
-            "block_tokens": block_tokens * run.world}
+    record = {"step": run.state.step, "loss": float(global_loss), "lr": run.scheduler.get_last_lr()[0],
+              "accuracy": float(correct[1:].sum() / counted[1:].sum().clamp(min=1)),
+              "labels": int(counted[1:].sum()),  # supervised drafted tokens in the global batch
+              "block_tokens": block_tokens * run.world}
+    for name in sorted(terms):
+        record[f"loss_{name}"] = float(accelerator.reduce(terms[name], reduction="sum"))
+    return record
 
 
 def evaluate(run: TrainingRun, metrics: MetricsLog, model: DFlashDraftModel | None,

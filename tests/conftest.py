@@ -108,3 +108,15 @@ def baseline_cache(tmp_path_factory: pytest.TempPathFactory, chat_jsonl: Path) -
     out = tmp_path_factory.mktemp("baseline") / "cache"
     run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS, check=True)
     return out
+
+
+TOPK = 8  # the top-k of the `topk_cache` fixture
+
+
+@pytest.fixture(scope="session")
+def topk_cache(tmp_path_factory: pytest.TempPathFactory, chat_jsonl: Path) -> Path:
+    """The baseline extraction, with the target's top-k stored (`--store-target-topk 8`)."""
+    out = tmp_path_factory.mktemp("topk") / "cache"
+    run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS,
+               "--store-target-topk", str(TOPK), check=True)
+    return out

@@ -55,15 +55,17 @@ def _loss_mask(rng: np.random.Generator, length: int, kind: str) -> np.ndarray:
 
 def build_cache(root: Path, shard_samples: list[int], *, dim: int = DIM, seed: int = 0, min_len: int = 1,
                 max_len: int = 300, pending: int = 0, order: list[int] | None = None,
-                rows_per_chunk: int | None = 16, kinds: bool = True) -> Path:
+                rows_per_chunk: int | None = 16, kinds: bool = True, topk: int = 0) -> Path:
     """A cache written the way `dflash extract` writes one: samples sorted longest first in each shard, stores
     by FeatureShardWriter, manifest entries with the stats a worker reports. Sample i of the dataset is fully
-    determined by (seed, i), so caches with another shard count hold the same samples."""
+    determined by (seed, i), so caches with another shard count hold the same samples. With `topk`, a synthetic
+    target top-k (`synthetic_topk`) beside the features."""
     root.mkdir(parents=True, exist_ok=True)
     num_shards = len(shard_samples) + pending
     identity = {"target_source": "synthetic", "target_hash": "0" * 16, "layer_ids": [1, 2, 3],
                 "hidden_size": dim // 3, "feature_dtype": "bf16", "tokenizer_hash": "t", "data_fingerprint": "d",
-                "max_length": max_len, "overlength": "truncate", "num_shards": num_shards}
+                "max_length": max_len, "overlength": "truncate", "num_shards": num_shards,
+                "target_topk": cf.TopKFormat.for_vocab(topk, 1000).record() if topk else None}
     manifest = cf.new_manifest(identity, {"target": {"name": "synthetic", "num_hidden_layers": 4},
                                           "data": {"source": "synthetic", "conversations": sum(shard_samples)}})
     saved = cf.CHUNK_TARGET_BYTES, cf.SHARD_TARGET_BYTES
@@ -91,11 +93,20 @@ def build_cache(root: Path, shard_samples: list[int], *, dim: int = DIM, seed: i
             token_arrays = {"input_ids": np.concatenate([s[1] for s in samples]), "loss_mask": loss_mask,
                             "offsets": offsets, "sample_index": np.array([s[0] for s in samples], np.int64),
                             "sample_ids": [f"conv-{s[0]}" for s in samples]}
+            topk_format = cf.TopKFormat.of_manifest(manifest)
             writer = FeatureShardWriter(cf.shard_path(root, shard), feature_dim=dim, token_arrays=token_arrays,
-                                        attributes={"layer_ids": [1, 2, 3], "shard": shard}, codec=BF16)
+                                        attributes={"layer_ids": [1, 2, 3], "shard": shard}, codec=BF16,
+                                        topk=topk_format)
             rows = torch.cat([s[3] for s in samples])
+            positions = cf.topk_positions(loss_mask, offsets)
+            before = np.concatenate([[0], np.cumsum(positions)])  # top-k rows before each token
+            topk_rows = synthetic_topk(token_arrays["input_ids"], loss_mask, offsets, token_arrays["sample_index"],
+                                       topk) if topk else None
             for begin in range(0, len(rows), 37):  # uneven batches, as a worker submits them
-                writer.submit(rows[begin : begin + 37])
+                end = min(begin + 37, len(rows))
+                part = None if topk_rows is None else tuple(torch.from_numpy(a[before[begin] : before[end]])
+                                                            for a in topk_rows)
+                writer.submit(rows[begin:end], topk=part)
             stats = {"samples": count, "tokens": int(offsets[-1]), "loss_tokens": int(loss_mask.sum()),
                      "truncated": 0, "skipped": {}, "seconds": 0.1, "oom_retries": 0}
             writer.close(stats)
@@ -105,6 +116,19 @@ def build_cache(root: Path, shard_samples: list[int], *, dim: int = DIM, seed: i
         cf.CHUNK_TARGET_BYTES, cf.SHARD_TARGET_BYTES = saved
     cf.write_json_atomic(root / cf.MANIFEST_FILE, manifest)
     return root
+
+
+def synthetic_topk(input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray, sample_index: np.ndarray,
+                   k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A made-up target top-k, one row per `topk_positions` token of a shard: ids (token + j) % 1000 (so the top-1
+    is the token itself: the label), log-probs -(j + (7 * sample_index + t) % 50) / 8 at position t of the sample
+    (exact in float16: each row says where it belongs)."""
+    position = np.arange(len(input_ids)) - np.repeat(offsets[:-1], np.diff(offsets))
+    index = np.repeat(sample_index, np.diff(offsets))
+    ids = (input_ids[:, None].astype(np.int64) + np.arange(k)) % 1000
+    logprobs = -(np.arange(k) + ((7 * index + position) % 50)[:, None]) / 8
+    rows = cf.topk_positions(loss_mask, offsets)
+    return ids[rows].astype(np.uint16), logprobs[rows].astype(np.float16)
 
 
 @pytest.fixture(scope="module")
@@ -500,3 +524,46 @@ def test_buckets_pad_little_and_keep_few_shapes(value: int, multiple: int) -> No
     rounded = td.bucket(value, multiple)
     assert rounded >= value and rounded % multiple == 0
     assert rounded - value < max(multiple, value / 16 + 1)
+
+
+# ---------------------------------------------------------------------------------------- the target's top-k
+
+
+def test_topk_reaches_each_label_position_through_batches_and_splits(tmp_path: Path) -> None:
+    """A cache with the target's top-k: at every supervised block position the micro-batch carries the stored row
+    of that very token (the synthetic top-1 is the label itself, the log-probs name the sample and position),
+    through packing and through the memory plan's splits of a batch."""
+    cache = build_cache(tmp_path / "cache", [23, 17], max_len=120, topk=3)
+    stored = stored_samples(cache)
+    sample_index = {key: value["sample_index"] for key, value in stored.items()}
+    index = CacheIndex.from_cache(cache, eval_fraction=0.0, seed=0)
+    plan = plan_epoch(index, epoch=0, seed=0, batch_tokens=500, rule=AnchorRule(0.3, 16, 4))
+    dataset = CacheBatches(cache, plan, epoch=0, seed=0, rule=AnchorRule(0.3, 16, 4), bucket_multiple=PAD)
+    checked = 0
+    for item in collect(dataset, 0):
+        count = len(item["lengths"])
+        for part in td.split_packed_batch(item, [(0, 1), (1, count)] if count > 1 else [(0, 1)]):
+            layout = td.packed_layout(part, 4)
+            labels, _ = td.packed_block_labels(part, layout, mask_token_id=999)
+            ids, logprobs = td.packed_block_topk(part, layout)
+            assert ids.dtype == torch.int32 and logprobs.dtype == torch.float16
+            assert ids.shape == logprobs.shape == (*labels.shape, 3)
+            keys = part["sample_keys"].tolist()
+            for n, k in (labels[0] != td.IGNORE_INDEX).nonzero().tolist():
+                label = int(labels[0, n, k])
+                sequence = int(part["block_sequence"][n])
+                position = int(part["block_anchor"][n]) + k
+                expected = -(np.arange(3) + (7 * sample_index[tuple(keys[sequence])] + position) % 50) / 8
+                assert ids[0, n, k].tolist() == [(label + j) % 1000 for j in range(3)]
+                assert logprobs[0, n, k].tolist() == expected.tolist()
+                checked += 1
+    assert checked > 500
+
+
+def test_a_store_without_the_topk_its_manifest_records_is_refused(tmp_path: Path) -> None:
+    cache = build_cache(tmp_path / "cache", [5])
+    manifest = cf.read_manifest(cache)
+    manifest["identity"]["target_topk"] = cf.TopKFormat.for_vocab(4, 1000).record()
+    cf.write_json_atomic(cache / cf.MANIFEST_FILE, manifest)
+    with pytest.raises(CacheError, match="mixes two extractions"):
+        CacheIndex.from_cache(cache)
