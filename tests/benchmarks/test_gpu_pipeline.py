@@ -16,7 +16,8 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-# A stand-in for `python3 -m dflash.shared.cli`: records its arguments; `train` writes the metrics a calibration or a run
+# A stand-in for `python3 -m dflash.shared.cli`: records its arguments; `extract` makes its cache folder and log;
+# `train` writes the metrics a calibration or a run
 # would (a rate of 10 steps/s with --max-anchors=64, else 2) and, for a real run, exports; the run named *a64 has
 # its best held-out evaluation at its end, the others at step 500 (the first in glob order is not the best).
 STUB = r'''
@@ -27,6 +28,9 @@ with open(os.environ["STUB_CALLS"], "a") as calls:
     calls.write(json.dumps(args) + "\n")
 def value(flag):
     return args[len(args) - 1 - args[::-1].index(flag) + 1] if flag in args else None
+if args[0] == "extract":
+    Path(value("--out")).mkdir(parents=True)
+    (Path(value("--out")) / "extract.log").write_text("extracted\n")
 if args[0] == "train":
     out = Path(value("--out"))
     out.mkdir(parents=True)
@@ -73,3 +77,20 @@ def test_variants_train_with_their_own_steps_and_the_best_export_is_evaluated_an
     joined = b"".join(p.read_bytes() for p in parts)
     assert joined == (work / "run_fp8_c16" / "export_best" / "model.safetensors").read_bytes()
     assert "kept run_fp8_c16" in (out / "timings.tsv").read_text()
+
+
+def test_extract_flags_reach_every_extraction(tmp_path: Path) -> None:
+    """EXTRACT_FLAGS (the distillation ablation's top-k and target layers) go to each dtype's `dflash extract`."""
+    stub = tmp_path / "stub.py"
+    stub.write_text(STUB)
+    calls_file = tmp_path / "calls.jsonl"
+    env = {**os.environ, "STUB_CALLS": str(calls_file), "DF": f"{shlex.quote(sys.executable)} {stub}",
+           "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "DTYPES": "bf16 fp8", "VERIFY": "0",
+           "EXTRACT_FLAGS": "--store-target-topk 32 --export-layers last:5"}
+    result = subprocess.run(["bash", "benchmarks/gpu_pipeline.sh", "extract"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    extracts = [json.loads(line) for line in calls_file.read_text().splitlines()]
+    assert [c[c.index("--feature-dtype") + 1] for c in extracts] == ["bf16", "fp8"]
+    for call in extracts:
+        assert call[-4:] == ["--store-target-topk", "32", "--export-layers", "last:5"]
