@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from dflash.shared import cache_format as cf
 from tests.cache_compare import assert_same_cache
-from tests.conftest import REPO, run_dflash
+from tests.conftest import EXTRACT_ARGS, REPO, run_dflash
 
 TRAIN_ARGS = ("--draft-layers", "1", "--max-anchors", "24", "--batch-tokens", "768", "--num-workers", "1",
               "--eval-fraction", "0.15", "--eval-sequences", "6", "--mixed-precision", "no")
@@ -80,6 +80,58 @@ def test_overwrite_of_an_existing_cache_is_refused_without_yes(baseline_cache: P
     assert result.returncode == 3, result.stderr[-2000:]
     assert "--yes" in result.stderr and f"dflash extract --repair --out {cache}" in result.stderr
     assert tree_bytes(cache) == before
+
+
+def run_on_a_terminal(args: list[str], answer: str, timeout: float = 300) -> tuple[int, str]:
+    """Run the real CLI with stdin, stdout and stderr on a pseudo-terminal (what a user at a shell has), answer its
+    first question with `answer`, and return its exit code and everything it wrote there."""
+    import select
+
+    master, slave = os.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, stdin=slave,
+                               stdout=slave, stderr=slave, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    os.close(slave)
+    output, answered, deadline = b"", False, time.time() + timeout
+    try:
+        while time.time() < deadline:
+            if not select.select([master], [], [], 1)[0]:
+                continue
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: every holder of the terminal's other side has closed it (the command ended)
+                break
+            if not chunk:
+                break
+            output += chunk
+            if not answered and b"Continue? [y/N]:" in output:
+                os.write(master, answer.encode() + b"\n")
+                answered = True
+    finally:
+        os.close(master)
+    return process.wait(timeout=60), output.decode(errors="replace").replace("\r\n", "\n")
+
+
+@pytest.mark.parametrize("answer", ["n", "y"])
+def test_overwrite_on_a_terminal_asks_first(baseline_cache: Path, chat_jsonl: Path, tmp_path: Path,
+                                            answer: str) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(baseline_cache, cache)
+    flip_feature_byte(cache, 1)
+    before = tree_bytes(cache)
+    # The options the cache was made with: a yes redoes shard 1 (other settings would discard the whole cache).
+    code, output = run_on_a_terminal(["extract", "--data", str(chat_jsonl), "--out", str(cache), "--workers", "1",
+                                      *EXTRACT_ARGS, "--only-shards", "1", "--overwrite"], answer)
+    assert f"--overwrite: redo finished shards of the cache {cache}" in output and "Continue? [y/N]:" in output
+    if answer == "n":
+        assert code == 3 and "refused: not confirmed: nothing was changed" in output, output[-2000:]
+        assert tree_bytes(cache) == before  # every byte as it was, the damaged one included
+        return
+    assert code == 0, output[-2000:]
+    untouched = (f"{cf.SHARDS_DIR}/{cf.shard_name(0)}", f"{cf.SHARDS_DIR}/{cf.shard_name(2)}", cf.TARGET_DIR)
+    assert {k: v for k, v in tree_bytes(cache).items() if k.startswith(untouched)} == \
+        {k: v for k, v in before.items() if k.startswith(untouched)}
+    assert_same_cache(baseline_cache, cache)  # shard 1 extracted again: the flipped byte is gone
 
 
 def test_repair_of_a_cache_without_recorded_options_is_refused(baseline_cache: Path, tmp_path: Path) -> None:
