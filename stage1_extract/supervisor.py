@@ -13,6 +13,7 @@ import queue
 import re
 import shutil
 import signal
+import statistics
 import sys
 import time
 from contextlib import ExitStack
@@ -477,18 +478,25 @@ class Supervisor:
         log.info(message)
         print(message, file=sys.stderr)
         if samples == 0 and len(done) == len(manifest["shards"]):
-            raise UserError(empty_cache_cause(self.cache_dir, skipped, self.options.max_length,
+            too_long = sorted(n for s in done for n in s.get(cf.SKIPPED_LENGTHS_KEY, []))
+            raise UserError(empty_cache_cause(self.cache_dir, skipped, too_long, self.options.max_length,
                                               self.options.overlength))
 
 
-def empty_cache_cause(cache_dir: Path, skipped: dict[str, int], max_length: int, overlength: str) -> str:
-    """Why an extraction that finished every shard stored no sample, and what to change."""
+def empty_cache_cause(cache_dir: Path, skipped: dict[str, int], too_long: list[int], max_length: int,
+                      overlength: str) -> str:
+    """Why an extraction that finished every shard stored no sample, and what to change. `too_long`: the sorted
+    token lengths of the skipped conversations that were longer than --max-length."""
     counts = ", ".join(f"{reason}: {count}" for reason, count in sorted(skipped.items())) or "none"
     cause = f"the cache {cache_dir} holds 0 samples: every conversation was skipped ({counts})"
-    if skipped.get("too_long") or skipped.get("no_assistant_tokens"):
-        kept = "whole" if overlength == "skip" else "cut at --max-length"
-        return (f"{cause}; with --max-length {max_length} no conversation ({kept}) keeps 2 assistant tokens to "
-                "learn from: raise --max-length (and rerun with --overwrite --yes)")
+    if too_long:
+        total = sum(skipped.values())
+        which = f"all {total} are" if len(too_long) == total else f"{len(too_long)} of them are"
+        fate = (" were skipped whole" if overlength == "skip"
+                else ", cut there, keep no 2 assistant tokens to learn from")
+        return (f"{cause}; {which} longer than --max-length {max_length} (shortest {too_long[0]} tokens, median "
+                f"{statistics.median_low(too_long)}) and{fate}: raise --max-length (and rerun with --overwrite "
+                "--yes)")
     return f"{cause}; check the data and its chat template (see {cache_dir / cf.LOG_FILE})"
 
 

@@ -240,8 +240,18 @@ def test_extract_that_keeps_no_sample_is_an_error(chat_jsonl: Path, tmp_path: Pa
     result = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(tmp_path / "cache"), "--max-length", "8",
                         "--max-samples", "3", "--workers", "1")
     assert result.returncode == 2, result.stderr[-2000:]
+    # The lengths the message must quote: the first 3 conversations, as the chat template tokenizes them.
+    from dflash.shared.target_loading import load_tokenizer, resolve_target
+    from dflash.stage1_extract.conversations import chat_token_ids, load_conversations
+
+    tokenizer = load_tokenizer(resolve_target(None).load_path)
+    lengths = sorted(len(chat_token_ids(tokenizer, [dict(m) for m in c.messages], add_generation_prompt=False))
+                     for c in load_conversations(str(chat_jsonl), max_samples=3).conversations)
     line = one_line_error(result.stderr)
-    assert "0 samples" in line and "no_assistant_tokens: 3" in line and "--max-length 8" in line
+    assert line == (f"dflash: error: the cache {tmp_path / 'cache'} holds 0 samples: every conversation was skipped "
+                    f"(no_assistant_tokens: 3); all 3 are longer than --max-length 8 (shortest {lengths[0]} tokens, "
+                    f"median {lengths[1]}) and, cut there, keep no 2 assistant tokens to learn from: raise "
+                    "--max-length (and rerun with --overwrite --yes)")
 
 
 # ------------------------------------------------------------------ 6. a damaged shard read by a loader worker
