@@ -27,6 +27,7 @@ from dflash.shared.feature_codecs import FEATURE_DTYPES
 from dflash.shared.interrupts import interrupt_signal, raise_interrupt
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.output_dirs import refuse_foreign_folder
+from dflash.shared.processes import stop_processes
 from dflash.shared.target_layers import default_layer_ids, validate_layer_ids
 from dflash.shared.target_loading import (
     ResolvedTarget,
@@ -541,19 +542,6 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
-
-
-def stop_processes(processes: list[mp.process.BaseProcess]) -> None:
-    """Terminate and reap every worker: none is left running or as a zombie."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.time() + 15
-    for process in processes:
-        process.join(timeout=max(0.1, deadline - time.time()))
-        if process.is_alive():
-            process.kill()
-            process.join()
 
 
 def _format_seconds(seconds: float | None) -> str:

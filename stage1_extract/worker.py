@@ -9,7 +9,6 @@ Spawned by the supervisor (never a thread). Messages to the supervisor go throug
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import time
@@ -24,6 +23,7 @@ import torch
 from dflash.shared.cache_format import SKIPPED_LENGTHS_KEY, shard_path, write_status
 from dflash.shared.feature_codecs import codec
 from dflash.shared.logs import get_logger, setup_logging
+from dflash.shared.processes import die_with_parent
 from dflash.shared.target_layers import LayerCapture, check_embedding_path, embedding_scale
 from dflash.shared.target_loading import load_target_model, load_tokenizer
 from dflash.stage1_extract.conversations import (
@@ -105,15 +105,6 @@ def plan_batches(lengths: list[int], batch_tokens: int, pad_multiple: int) -> li
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when the supervisor dies, so no worker outlives a killed run."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class ShardExtractor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -273,6 +274,20 @@ def test_damaged_shard_in_a_dataloader_worker_is_one_line(baseline_cache: Path, 
     assert "DataLoader worker" in log and "Traceback" in log  # the traceback: in the log only
 
 
+def test_damaged_shard_in_one_of_two_training_processes_is_one_line(baseline_cache: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(baseline_cache, cache)
+    flip_feature_byte(cache, 1)
+    run = tmp_path / "run"
+    result = run_dflash("train", "--cache", str(cache), "--out", str(run), "--max-steps", "2", "--eval-every", "0",
+                        "--processes", "2", *TRAIN_ARGS)
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = one_line_error(result.stderr)
+    assert "shard 1" in line and f"dflash extract --repair --out {cache}" in line
+    logs = "".join(path.read_text() for path in run.glob("train*.log"))
+    assert "DataLoader worker" in logs and "Traceback" in logs  # the traceback: in the failing process's log only
+
+
 # ------------------------------------------------------------------------------------ 7. Ctrl-C in train
 
 
@@ -295,6 +310,50 @@ def test_ctrl_c_in_train_exits_130_and_prints_the_resume_command(baseline_cache:
     assert "Aborted!" not in stderr and "Traceback" not in stderr
     assert "interrupted (SIGINT)" in stderr and "--resume" in stderr and str(run) in stderr
     assert 1 <= len(list((run / "checkpoints").glob("*/complete"))) <= 3  # --keep-checkpoints 3 by default
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_train_with_two_processes_stops_them_all(baseline_cache: Path, tmp_path: Path,
+                                                             signum: signal.Signals) -> None:
+    import psutil
+
+    run = tmp_path / "run"
+    args = ["train", "--cache", str(baseline_cache), "--out", str(run), "--max-steps", "500", "--eval-every", "0",
+            "--checkpoint-every", "1", "--processes", "2", *TRAIN_ARGS]
+    # Its own process group, as a shell job: Ctrl-C at a terminal sends SIGINT to the whole group.
+    process = subprocess.Popen([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, text=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 180
+    while not list((run / "checkpoints").glob("*/complete")) and time.time() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    family = psutil.Process(process.pid).children(recursive=True)
+
+    def command(member: psutil.Process) -> str:
+        try:
+            return " ".join(member.cmdline())
+        except psutil.Error:  # a loader worker that has just ended
+            return ""
+
+    assert len([p for p in family if "spawn_main" in command(p)]) >= 2  # both training processes
+    if signum == signal.SIGINT:
+        os.killpg(process.pid, signum)
+    else:
+        process.send_signal(signum)  # `kill PID`: the launcher alone
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, stderr[-3000:]
+    assert "Traceback" not in stderr and "Aborted!" not in stderr, stderr[-3000:]
+    resume = [line for line in stderr.splitlines() if "--resume" in line]
+    assert resume == [f"dflash train: interrupted ({signum.name}); the last checkpoint is kept; continue with: "
+                      f"{shlex.join(['dflash', *args, '--resume'])}"]
+    deadline = time.time() + 10  # the resource tracker of the launcher's queue ends when the launcher has ended
+
+    def left() -> list[psutil.Process]:
+        return [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    while left() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left(), [command(p) for p in left()]
 
 
 # ------------------------------------------------------------------------------------ small first-day things
