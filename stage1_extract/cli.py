@@ -88,21 +88,26 @@ def extract_command(**kwargs: object) -> None:
     Exit codes: 0 done, 1 a worker failed (traceback in the log), 2 bad option or input, 3 refused (cache made
     with other settings, or shards locked by another run), 130/143 interrupted (rerun to resume).
     """
-    from dflash.shared.interrupts import exit_on_interrupt
+    from dflash.shared.interrupts import exit_interrupted, exit_on_interrupt, interrupted_by
     from dflash.stage1_extract.supervisor import EXIT_REFUSED, ExtractRefused
 
+    how_to_go_on = "rerun the same command to resume (finished shards are kept)"
     try:
-        with exit_on_interrupt("extract", "rerun the same command to resume (finished shards are kept)"):
-            _extract(click.get_current_context(), kwargs)
+        with exit_on_interrupt("extract", how_to_go_on):
+            code = _extract(click.get_current_context(), kwargs)
     except ExtractRefused as error:
         click.echo(f"dflash extract: refused: {error}", err=True)
         sys.exit(EXIT_REFUSED)
+    if (signum := interrupted_by(code)) is not None:
+        exit_interrupted("extract", signum, how_to_go_on)
+    sys.exit(code)
 
 
 REPAIR_TAKES = {"out", "workers", "verbose", "repair"}
 
 
-def _extract(ctx: click.Context, kwargs: dict[str, object]) -> None:
+def _extract(ctx: click.Context, kwargs: dict[str, object]) -> int:
+    """Run `dflash extract` as the options say; returns the exit code."""
     from dflash.shared import object_store
     from dflash.stage1_extract.supervisor import (
         EXIT_REFUSED,
@@ -126,10 +131,10 @@ def _extract(ctx: click.Context, kwargs: dict[str, object]) -> None:
                                          bool(kwargs["verbose"]))
         if not shards:
             click.echo(f"dflash extract: every shard of {options.out} is sound: nothing to repair", err=True)
-            return
+            return 0
         click.echo(f"dflash extract: repairing shards {shards} of {options.out} with the options it was made with",
                    err=True)
-        sys.exit(run_extract(options))
+        return run_extract(options)
     url, staging = str(kwargs.pop("out")), kwargs.pop("staging")
     remote = object_store.is_remote(url)
     if remote:
@@ -150,8 +155,8 @@ def _extract(ctx: click.Context, kwargs: dict[str, object]) -> None:
                        f"({counts['bytes'] / 1e9:.2f} GB), {counts['already']} were already there", err=True)
     except (ExtractRefused, object_store.RemoteCacheError) as error:
         click.echo(f"dflash extract: refused: {error}", err=True)
-        sys.exit(EXIT_REFUSED)
-    sys.exit(code)
+        return EXIT_REFUSED
+    return code
 
 
 @click.command("generate")
@@ -202,14 +207,17 @@ def generate_command(**kwargs: object) -> None:
     Exit codes: 0 done, 1 a worker failed (see OUT/generate.log), 2 bad option or input, 3 refused (output made
     with other settings, or in use by another run), 130/143 interrupted (rerun to resume).
     """
-    from dflash.shared.interrupts import exit_on_interrupt
+    from dflash.shared.interrupts import exit_interrupted, exit_on_interrupt, interrupted_by
     from dflash.stage1_extract.generate_run import GenerateOptions, run_generate
     from dflash.stage1_extract.supervisor import EXIT_REFUSED, ExtractRefused
 
+    how_to_go_on = "rerun the same command to resume (finished conversations are kept)"
     try:
-        with exit_on_interrupt("generate", "rerun the same command to resume (finished conversations are kept)"):
+        with exit_on_interrupt("generate", how_to_go_on):
             code = run_generate(GenerateOptions(**kwargs))  # type: ignore[arg-type]
     except ExtractRefused as error:
         click.echo(f"dflash generate: refused: {error}", err=True)
         sys.exit(EXIT_REFUSED)
+    if (signum := interrupted_by(code)) is not None:
+        exit_interrupted("generate", signum, how_to_go_on)
     sys.exit(code)

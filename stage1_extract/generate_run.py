@@ -262,8 +262,7 @@ class GenerateRun:
             return self._event_loop(len(chunks), len(pending), events)
         except KeyboardInterrupt as interrupt:
             signum = interrupt_signal(interrupt)
-            log.warning("interrupted (%s): stopping workers; rerun the same command to resume",
-                        signum.name)
+            log.warning("interrupted (%s): stopping workers", signum.name)
             stop_processes(self.processes)
             self._write_run_status("interrupted", {})
             return 128 + int(signum)

@@ -384,8 +384,7 @@ class Supervisor:
             return self._event_loop(set(shards), total_samples, events)
         except KeyboardInterrupt as interrupt:
             signum = interrupt_signal(interrupt)
-            log.warning("interrupted (%s): stopping workers; rerun the same command to resume",
-                        signum.name)
+            log.warning("interrupted (%s): stopping workers", signum.name)
             self._stop_workers()
             self._reset_running_shards(shards, cf.SHARD_PENDING)
             self._write_run_status("interrupted", {})

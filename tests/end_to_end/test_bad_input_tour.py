@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -312,21 +313,21 @@ def test_ctrl_c_in_train_exits_130_and_prints_the_resume_command(baseline_cache:
     assert 1 <= len(list((run / "checkpoints").glob("*/complete"))) <= 3  # --keep-checkpoints 3 by default
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_interrupted_train_with_two_processes_stops_them_all(baseline_cache: Path, tmp_path: Path,
-                                                             signum: signal.Signals) -> None:
+def interrupt_when(args: list[str], ready: Callable[[], bool], signum: signal.Signals,
+                   min_children: int = 1) -> tuple[int, str]:
+    """Run the real CLI as a shell job (its own process group, Ctrl-C's default disposition), wait until `ready()`,
+    then interrupt it as a user does: SIGINT to the whole group (Ctrl-C at a terminal), SIGTERM to the command's
+    process alone (`kill PID`). Returns its exit code and stderr, once every process it had started (at least
+    `min_children`) is gone: none may be left running, orphaned or unreaped."""
     import psutil
 
-    run = tmp_path / "run"
-    args = ["train", "--cache", str(baseline_cache), "--out", str(run), "--max-steps", "500", "--eval-every", "0",
-            "--checkpoint-every", "1", "--processes", "2", *TRAIN_ARGS]
-    # Its own process group, as a shell job: Ctrl-C at a terminal sends SIGINT to the whole group.
     process = subprocess.Popen([sys.executable, "-m", "dflash.shared.cli", *args], cwd=REPO, text=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 180
-    while not list((run / "checkpoints").glob("*/complete")) and time.time() < deadline and process.poll() is None:
+    deadline = time.time() + 240
+    while not ready() and time.time() < deadline and process.poll() is None:
         time.sleep(0.2)
+    assert process.poll() is None, process.communicate()[1][-3000:]
     family = psutil.Process(process.pid).children(recursive=True)
 
     def command(member: psutil.Process) -> str:
@@ -335,18 +336,13 @@ def test_interrupted_train_with_two_processes_stops_them_all(baseline_cache: Pat
         except psutil.Error:  # a loader worker that has just ended
             return ""
 
-    assert len([p for p in family if "spawn_main" in command(p)]) >= 2  # both training processes
+    assert len([p for p in family if "spawn_main" in command(p) or "dflash" in command(p)]) >= min_children
     if signum == signal.SIGINT:
         os.killpg(process.pid, signum)
     else:
-        process.send_signal(signum)  # `kill PID`: the launcher alone
+        process.send_signal(signum)
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + signum, stderr[-3000:]
-    assert "Traceback" not in stderr and "Aborted!" not in stderr, stderr[-3000:]
-    resume = [line for line in stderr.splitlines() if "--resume" in line]
-    assert resume == [f"dflash train: interrupted ({signum.name}); the last checkpoint is kept; continue with: "
-                      f"{shlex.join(['dflash', *args, '--resume'])}"]
-    deadline = time.time() + 10  # the resource tracker of the launcher's queue ends when the launcher has ended
+    deadline = time.time() + 10  # a multiprocessing resource tracker ends once the command has ended
 
     def left() -> list[psutil.Process]:
         return [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -354,6 +350,49 @@ def test_interrupted_train_with_two_processes_stops_them_all(baseline_cache: Pat
     while left() and time.time() < deadline:
         time.sleep(0.2)
     assert not left(), [command(p) for p in left()]
+    assert "Traceback" not in stderr and "Aborted!" not in stderr, stderr[-3000:]
+    return process.returncode, stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_train_with_two_processes_stops_them_all(baseline_cache: Path, tmp_path: Path,
+                                                             signum: signal.Signals) -> None:
+    run = tmp_path / "run"
+    args = ["train", "--cache", str(baseline_cache), "--out", str(run), "--max-steps", "500", "--eval-every", "0",
+            "--checkpoint-every", "1", "--processes", "2", *TRAIN_ARGS]
+    code, stderr = interrupt_when(args, lambda: bool(list((run / "checkpoints").glob("*/complete"))), signum,
+                                  min_children=2)
+    assert code == 128 + signum, stderr[-3000:]
+    resume = [line for line in stderr.splitlines() if "--resume" in line]
+    assert resume == [f"dflash train: interrupted ({signum.name}); the last checkpoint is kept; continue with: "
+                      f"{shlex.join(['dflash', *args, '--resume'])}"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_generate_exits_with_the_way_on(chat_jsonl: Path, tmp_path: Path, signum: signal.Signals) -> None:
+    out = tmp_path / "generated"
+    args = ["generate", "--data", str(chat_jsonl), "--out", str(out), "--max-new-tokens", "32", "--workers", "1"]
+    code, stderr = interrupt_when(args, lambda: (out / cf.STATUS_DIR / "worker-0.json").is_file(), signum)
+    assert code == 128 + signum, stderr[-3000:]
+    assert stderr.splitlines()[-1] == (f"dflash generate: interrupted ({signum.name}); rerun the same command to "
+                                       "resume (finished conversations are kept)")
+    assert cf.read_status(out)["run"]["state"] == "interrupted" and not (out / "conversations.jsonl").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_eval_exits_with_the_way_on(trained_run: Path, tmp_path: Path, signum: signal.Signals) -> None:
+    out = tmp_path / "eval"
+    args = ["eval", "--draft", str(trained_run / "export"), "--data", "mtbench", "--max-samples", "20",
+            "--max-new-tokens", "16", "--out", str(out)]
+
+    def evaluating() -> bool:
+        return (out / "eval.log").is_file() and "warming up" in (out / "eval.log").read_text()
+
+    code, stderr = interrupt_when(args, evaluating, signum, min_children=0)
+    assert code == 128 + signum, stderr[-3000:]
+    assert stderr.splitlines()[-1] == (f"dflash eval: interrupted ({signum.name}); nothing is kept of an unfinished "
+                                       "evaluation: rerun the same command")
+    assert sorted(p.name for p in out.iterdir()) == ["eval.log"]
 
 
 # ------------------------------------------------------------------------------------ small first-day things
