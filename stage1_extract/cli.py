@@ -73,8 +73,8 @@ def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None)
 @click.option("--yes", is_flag=True, help="With --overwrite: do not ask, discard.")
 @click.option("--repair", is_flag=True,
               help="Redo exactly the shards `dflash inspect --verify` finds damaged (and unfinished ones), with the "
-                   "options recorded in the cache's manifest; healthy shards are not touched. Takes only --out, "
-                   "--workers and -v.")
+                   "options recorded in the cache's manifest; healthy shards are not touched (in a bucket: not uploaded "
+                   "again). Takes only --out, --staging, --workers and -v.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug messages on the console.")
 def extract_command(**kwargs: object) -> None:
     """Stage 1: run the frozen target over chat data and cache its hidden states.
@@ -103,7 +103,7 @@ def extract_command(**kwargs: object) -> None:
     sys.exit(code)
 
 
-REPAIR_TAKES = {"out", "workers", "verbose", "repair"}
+REPAIR_TAKES = {"out", "staging", "workers", "verbose", "repair"}
 
 
 def _extract(ctx: click.Context, kwargs: dict[str, object]) -> int:
@@ -114,27 +114,22 @@ def _extract(ctx: click.Context, kwargs: dict[str, object]) -> int:
         ExtractOptions,
         ExtractRefused,
         confirm_overwrite,
-        repair_options,
         run_extract,
     )
 
     yes = bool(kwargs.pop("yes"))
     if kwargs.pop("repair"):
+        from dflash.stage1_extract.repair import repair
+
         given = sorted(f"--{name.replace('_', '-')}" for name in kwargs if name not in REPAIR_TAKES
                        and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE)
         if given:
             raise click.UsageError(f"--repair takes the options of the original run from the cache's manifest; "
                                    f"leave out {', '.join(given)}")
-        if object_store.is_remote(str(kwargs["out"])):
-            raise click.UsageError("--repair works on a local cache: repair the staging cache, then publish it")
-        options, shards = repair_options(Path(str(kwargs["out"])), kwargs["workers"],  # type: ignore[arg-type]
-                                         bool(kwargs["verbose"]))
-        if not shards:
-            click.echo(f"dflash extract: every shard of {options.out} is sound: nothing to repair", err=True)
-            return 0
-        click.echo(f"dflash extract: repairing shards {shards} of {options.out} with the options it was made with",
-                   err=True)
-        return run_extract(options)
+        if kwargs["staging"] is not None and not object_store.is_remote(str(kwargs["out"])):
+            raise click.UsageError("--staging is only for --out s3://...")
+        return repair(str(kwargs["out"]), kwargs["staging"], kwargs["workers"], bool(kwargs["verbose"]),  # type: ignore[arg-type]
+                      lambda line: click.echo(f"dflash extract: {line}", err=True))
     url, staging = str(kwargs.pop("out")), kwargs.pop("staging")
     remote = object_store.is_remote(url)
     if remote:

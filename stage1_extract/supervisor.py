@@ -100,26 +100,6 @@ def confirm_overwrite(out: Path, yes: bool) -> None:
                          f"(to redo only damaged shards: `dflash extract --repair --out {out}`)")
 
 
-def repair_options(out: Path, workers: int | None = None, verbose: bool = False) -> tuple[ExtractOptions, list[int]]:
-    """`dflash extract --repair`: the options of the run that made the cache `out` (from its manifest) and the shards
-    to redo (those `dflash inspect --verify` finds damaged, and any not finished); ([] when all are sound)."""
-    from dflash.shared.cache_commands import verify_cache
-
-    manifest = cf.read_manifest(out)
-    recorded = manifest.get(cf.OPTIONS_KEY)
-    if not recorded:
-        raise ExtractRefused(
-            f"{out / cf.MANIFEST_FILE} does not record the options of the run that made it (an older dflash): "
-            "--repair cannot redo its shards; re-extract the damaged ones with `dflash extract --out "
-            f"{out} --only-shards N --overwrite --yes` and exactly the options of the original run")
-    damaged = set(verify_cache(out))
-    unfinished = {int(k) for k, e in manifest["shards"].items() if e.get("status") != cf.SHARD_DONE}
-    shards = sorted(damaged | unfinished)
-    options = ExtractOptions(out=out, **recorded, only_shards=",".join(map(str, shards)) or None, redo=True,
-                             workers=workers, verbose=verbose)
-    return options, shards
-
-
 MAX_SHARDS = 100_000
 
 
