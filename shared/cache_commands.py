@@ -106,6 +106,11 @@ def verify_shard(cache_dir: Path, shard: int, entry: dict[str, Any], vocab_size:
         if tuple(features.shape) != (int(offsets[-1]), feature_dim):
             problems.append(f"features have shape {tuple(features.shape)}, expected ({int(offsets[-1])}, {feature_dim})")
         group = reader.group
+        for name, array in sorted(group.arrays()):
+            # zarr reads a chunk whose object is missing as fill values (zeros): the shapes and the token-id range
+            # would pass, and training would read zeros.
+            if array.nchunks_initialized < array.nchunks:
+                problems.append(f"{name}: stored chunks are missing (they would read as zeros)")
         input_ids = np.asarray(group["input_ids"][:])
         loss_mask = np.asarray(group["loss_mask"][:])
         for name, array in (("input_ids", input_ids), ("loss_mask", loss_mask)):

@@ -151,21 +151,84 @@ def test_repair_of_a_cache_without_recorded_options_is_refused(baseline_cache: P
     assert mixed.returncode == 2 and "leave out --max-length" in mixed.stderr
 
 
-@settings(max_examples=2, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(damaged=st.sets(st.integers(0, 2), min_size=1, max_size=2))
-def test_repair_leaves_healthy_shards_byte_identical(baseline_cache: Path, tmp_path_factory: pytest.TempPathFactory,
-                                                     damaged: set[int]) -> None:
-    cache = tmp_path_factory.mktemp("repair") / "cache"
-    shutil.copytree(baseline_cache, cache)
-    for shard in damaged:
+# Ways a shard goes bad: damaged bytes (same size: only checksums see it), a cut-off or missing file, a missing
+# store, and a shard the manifest does not list as done (a run killed while writing it).
+DAMAGES = ("flip", "truncate", "delete_chunk", "delete_store", "unfinished")
+
+
+def damage(cache: Path, shard: int, how: str) -> None:
+    store = cf.shard_path(cache, shard)
+    if how == "flip":
         flip_feature_byte(cache, shard)
-    healthy = {s: tree_bytes(cf.shard_path(cache, s)) for s in range(3) if s not in damaged}
+    elif how == "truncate":
+        path = store / "features" / "c" / "0" / "0"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "delete_chunk":
+        (store / "input_ids" / "c" / "0").unlink()
+    elif how == "delete_store":
+        shutil.rmtree(store)
+    else:
+        cf.update_manifest(cache, lambda manifest: manifest["shards"].__setitem__(str(shard), {"status": "pending"}))
+
+
+def cheap_copy(cache: Path, to: Path) -> Path:
+    """A copy of a cache to damage: its shards and manifest copied, its (large, read-only) target/ linked."""
+    shutil.copytree(cache, to, ignore=lambda folder, _: [cf.TARGET_DIR] if Path(folder) == cache else [])
+    (to / cf.TARGET_DIR).symlink_to(cache / cf.TARGET_DIR)
+    return to
+
+
+def stamps(folder: Path) -> dict[str, tuple[str, int]]:
+    """Every file below `folder` -> (sha256 of its bytes, its modification time): equal means never written."""
+    return {k: (v, (folder / k).stat().st_mtime_ns) for k, v in tree_bytes(folder).items()}
+
+
+damages = st.dictionaries(st.integers(0, 2), st.sampled_from(DAMAGES), min_size=1, max_size=3)
+
+
+@settings(max_examples=40, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(damaged=damages)
+def test_repair_redoes_exactly_the_damaged_shards(baseline_cache: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                 damaged: dict[int, str]) -> None:
+    """What --repair will redo, for any set of damaged shards and any kind of damage (cheap: no extraction)."""
+    from dflash.stage1_extract.repair import repair_options
+
+    cache = cheap_copy(baseline_cache, tmp_path_factory.mktemp("select") / "cache")
+    for shard, how in damaged.items():
+        damage(cache, shard, how)
+    before = stamps(cache)
+    options, shards = repair_options(cache)
+    assert shards == sorted(damaged) and options.only_shards == ",".join(map(str, sorted(damaged)))
+    recorded = cf.read_manifest(baseline_cache)[cf.OPTIONS_KEY]
+    assert {k: getattr(options, k) for k in recorded} == recorded and options.redo and not options.overwrite
+    assert stamps(cache) == before  # looking writes nothing
+
+
+def assert_repair_keeps_healthy_shards(baseline_cache: Path, cache: Path, damaged: dict[int, str]) -> None:
+    for shard, how in damaged.items():
+        damage(cache, shard, how)
+    healthy = {s: stamps(cf.shard_path(cache, s)) for s in range(3) if s not in damaged}
     result = run_dflash("extract", "--repair", "--out", str(cache))
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"repairing shards {sorted(damaged)}" in result.stderr
-    assert {s: tree_bytes(cf.shard_path(cache, s)) for s in healthy} == healthy
+    assert {s: stamps(cf.shard_path(cache, s)) for s in healthy} == healthy  # not a byte, not a write
     assert_same_cache(baseline_cache, cache)  # the damaged shards hold again exactly what they held
+
+
+def test_repair_leaves_healthy_shards_byte_identical(baseline_cache: Path, tmp_path: Path) -> None:
+    assert_repair_keeps_healthy_shards(baseline_cache, cheap_copy(baseline_cache, tmp_path / "cache"),
+                                       {0: "truncate", 2: "flip"})
+
+
+@pytest.mark.slow  # one extraction per example: ~17 s each on 2 cores (make test-all, make reliability)
+@settings(max_examples=10, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(damaged=damages)
+def test_repair_leaves_healthy_shards_byte_identical_for_any_damage(
+        baseline_cache: Path, tmp_path_factory: pytest.TempPathFactory, damaged: dict[int, str]) -> None:
+    cache = cheap_copy(baseline_cache, tmp_path_factory.mktemp("repair") / "cache")
+    assert_repair_keeps_healthy_shards(baseline_cache, cache, damaged)
 
 
 # ---------------------------------------------------------------- 2. eval of a drafter made for another target
