@@ -51,6 +51,18 @@ def one_line_error(stderr: str) -> str:
     return errors[0]
 
 
+CASES = range(1, 9)  # the numbered cases of issue 19
+
+
+def case(number: int) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Mark a test as checking numbered case `number` of the issue (its row in the reliability table says so)."""
+    def mark(test: Callable[..., None]) -> Callable[..., None]:
+        test.tour_case = number  # type: ignore[attr-defined]
+        return test
+
+    return mark
+
+
 @pytest.fixture(autouse=True)
 def reliability_row(request: pytest.FixtureRequest) -> object:
     """Under `make reliability`: record this case in the reliability table (a failed case counts as data lost)."""
@@ -59,7 +71,14 @@ def reliability_row(request: pytest.FixtureRequest) -> object:
         from tests.end_to_end.test_reliability import _record
 
         failed = bool(getattr(request.node, "call_failed", True))
-        _record(f"bad input: {request.node.originalname.removeprefix('test_')[:40]}", not failed, int(failed))
+        number = getattr(request.function, "tour_case", None)
+        name = request.node.originalname.removeprefix("test_")[:48]
+        _record(f"bad input {number}: {name}" if number else f"bad input: {name}", not failed, int(failed))
+
+
+def test_every_numbered_case_has_a_test() -> None:
+    tested = {getattr(test, "tour_case", None) for name, test in globals().items() if name.startswith("test_")}
+    assert set(CASES) <= tested
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +92,7 @@ def trained_run(baseline_cache: Path, tmp_path_factory: pytest.TempPathFactory) 
 # ------------------------------------------------------------------------- 1. repair, never a destroyed cache
 
 
+@case(1)
 def test_overwrite_of_an_existing_cache_is_refused_without_yes(baseline_cache: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     shutil.copytree(baseline_cache, cache)
@@ -114,6 +134,7 @@ def run_on_a_terminal(args: list[str], answer: str, timeout: float = 300) -> tup
     return process.wait(timeout=60), output.decode(errors="replace").replace("\r\n", "\n")
 
 
+@case(1)
 @pytest.mark.parametrize("answer", ["n", "y"])
 def test_overwrite_on_a_terminal_asks_first(baseline_cache: Path, chat_jsonl: Path, tmp_path: Path,
                                             answer: str) -> None:
@@ -136,6 +157,7 @@ def test_overwrite_on_a_terminal_asks_first(baseline_cache: Path, chat_jsonl: Pa
     assert_same_cache(baseline_cache, cache)  # shard 1 extracted again: the flipped byte is gone
 
 
+@case(1)
 def test_repair_of_a_cache_without_recorded_options_is_refused(baseline_cache: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     shutil.copytree(baseline_cache, cache)
@@ -186,6 +208,7 @@ def stamps(folder: Path) -> dict[str, tuple[str, int]]:
 damages = st.dictionaries(st.integers(0, 2), st.sampled_from(DAMAGES), min_size=1, max_size=3)
 
 
+@case(1)
 @settings(max_examples=40, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(damaged=damages)
@@ -216,11 +239,13 @@ def assert_repair_keeps_healthy_shards(baseline_cache: Path, cache: Path, damage
     assert_same_cache(baseline_cache, cache)  # the damaged shards hold again exactly what they held
 
 
+@case(1)
 def test_repair_leaves_healthy_shards_byte_identical(baseline_cache: Path, tmp_path: Path) -> None:
     assert_repair_keeps_healthy_shards(baseline_cache, cheap_copy(baseline_cache, tmp_path / "cache"),
                                        {0: "truncate", 2: "flip"})
 
 
+@case(1)
 @pytest.mark.slow  # one extraction per example: ~17 s each on 2 cores (make test-all, make reliability)
 @settings(max_examples=10, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -234,6 +259,7 @@ def test_repair_leaves_healthy_shards_byte_identical_for_any_damage(
 # ---------------------------------------------------------------- 2. eval of a drafter made for another target
 
 
+@case(2)
 def test_eval_refuses_a_drafter_trained_for_another_target(trained_run: Path, tmp_path: Path) -> None:
     export = tmp_path / "export"
     shutil.copytree(trained_run / "export", export)
@@ -251,6 +277,7 @@ def test_eval_refuses_a_drafter_trained_for_another_target(trained_run: Path, tm
 # ------------------------------------------------------------------------ 3. two trainings into one run folder
 
 
+@case(3)
 def test_train_into_an_existing_run_without_resume_is_refused(trained_run: Path, baseline_cache: Path,
                                                               tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -263,6 +290,7 @@ def test_train_into_an_existing_run_without_resume_is_refused(trained_run: Path,
     assert tree_bytes(run) == before
 
 
+@case(3)
 def test_second_train_into_a_run_being_written_is_refused(baseline_cache: Path, tmp_path: Path) -> None:
     from filelock import FileLock
 
@@ -279,6 +307,7 @@ def test_second_train_into_a_run_being_written_is_refused(baseline_cache: Path, 
 # ------------------------------------------------------------------------ 4. output folders that are not ours
 
 
+@case(4)
 def test_commands_refuse_an_output_folder_that_is_not_theirs(trained_run: Path, baseline_cache: Path,
                                                              chat_jsonl: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -301,6 +330,7 @@ def test_commands_refuse_an_output_folder_that_is_not_theirs(trained_run: Path, 
 # -------------------------------------------------------------------------------- 5. a cache of 0 samples
 
 
+@case(5)
 def test_extract_that_keeps_no_sample_is_an_error(chat_jsonl: Path, tmp_path: Path) -> None:
     result = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(tmp_path / "cache"), "--max-length", "8",
                         "--max-samples", "3", "--workers", "1")
@@ -322,6 +352,7 @@ def test_extract_that_keeps_no_sample_is_an_error(chat_jsonl: Path, tmp_path: Pa
 # ------------------------------------------------------------------ 6. a damaged shard read by a loader worker
 
 
+@case(6)
 def test_damaged_shard_in_a_dataloader_worker_is_one_line(baseline_cache: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     shutil.copytree(baseline_cache, cache)
@@ -338,6 +369,7 @@ def test_damaged_shard_in_a_dataloader_worker_is_one_line(baseline_cache: Path, 
     assert "DataLoader worker" in log and "Traceback" in log  # the traceback: in the log only
 
 
+@case(6)
 def test_damaged_shard_in_one_of_two_training_processes_is_one_line(baseline_cache: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     shutil.copytree(baseline_cache, cache)
@@ -355,6 +387,7 @@ def test_damaged_shard_in_one_of_two_training_processes_is_one_line(baseline_cac
 # ------------------------------------------------------------------------------------ 7. Ctrl-C in train
 
 
+@case(7)
 def test_ctrl_c_in_train_exits_130_and_prints_the_resume_command(baseline_cache: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = ["train", "--cache", str(baseline_cache), "--out", str(run), "--max-steps", "500", "--eval-every", "0",
@@ -417,6 +450,7 @@ def interrupt_when(args: list[str], ready: Callable[[], bool], signum: signal.Si
     return process.returncode, stderr
 
 
+@case(7)
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_train_with_two_processes_stops_them_all(baseline_cache: Path, tmp_path: Path,
                                                              signum: signal.Signals) -> None:
@@ -431,6 +465,7 @@ def test_interrupted_train_with_two_processes_stops_them_all(baseline_cache: Pat
                       f"{shlex.join(['dflash', *args, '--resume'])}"]
 
 
+@case(7)
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_generate_exits_with_the_way_on(chat_jsonl: Path, tmp_path: Path, signum: signal.Signals) -> None:
     out = tmp_path / "generated"
@@ -442,6 +477,7 @@ def test_interrupted_generate_exits_with_the_way_on(chat_jsonl: Path, tmp_path: 
     assert cf.read_status(out)["run"]["state"] == "interrupted" and not (out / "conversations.jsonl").exists()
 
 
+@case(7)
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_eval_exits_with_the_way_on(trained_run: Path, tmp_path: Path, signum: signal.Signals) -> None:
     out = tmp_path / "eval"
@@ -456,6 +492,30 @@ def test_interrupted_eval_exits_with_the_way_on(trained_run: Path, tmp_path: Pat
     assert stderr.splitlines()[-1] == (f"dflash eval: interrupted ({signum.name}); nothing is kept of an unfinished "
                                        "evaluation: rerun the same command")
     assert sorted(p.name for p in out.iterdir()) == ["eval.log"]
+
+
+# ------------------------------------------------------------------ 8. messages that name the file, not the cause
+
+
+@case(8)
+def test_damaged_model_file_and_malformed_json_are_named_with_their_cause(chat_jsonl: Path, tmp_path: Path) -> None:
+    from dflash.shared import embedded
+
+    gguf = tmp_path / "model.gguf"
+    with open(embedded.smollm2_gguf(), "rb") as whole:
+        gguf.write_bytes(whole.read(3000))  # a download cut off early
+    result = run_dflash("extract", "--model", str(gguf), "--data", str(chat_jsonl), "--out", str(tmp_path / "a"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = one_line_error(result.stderr)
+    assert line.startswith(f"dflash: error: {gguf} is truncated or damaged: its header and tensors do not fit in its "
+                           "3,000 bytes") and line.endswith(": download or copy it again")
+    data = tmp_path / "chats.jsonl"
+    data.write_text(chat_jsonl.read_text().splitlines()[0] + '\n{"messages": "unterminated\n')
+    result = run_dflash("extract", "--data", str(data), "--out", str(tmp_path / "b"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert one_line_error(result.stderr) == (
+        "dflash: error: chats.jsonl:2: malformed JSON line (Unterminated string starting at column 14); fix or "
+        "delete that line (JSON Lines needs one complete JSON object per line)")
 
 
 # ------------------------------------------------------------------------------------ small first-day things
