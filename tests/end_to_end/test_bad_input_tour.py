@@ -534,3 +534,15 @@ def test_status_reports_a_training_run(trained_run: Path) -> None:
     with FileLock(str(trained_run / "train.lock")):  # what a running `dflash train` holds
         report = json.loads(CliRunner().invoke(dflash, ["status", "--cache", str(trained_run), "--json"]).output)
     assert report["state"] == "running" and report["step"] == 2 and report["tau"] is not None
+
+
+def test_make_all_prints_the_final_table_once(trained_run: Path, tmp_path: Path) -> None:
+    commands = subprocess.run(["make", "-n", "all", f"WORK={tmp_path}"], cwd=REPO, text=True, capture_output=True,
+                              check=True).stdout
+    assert commands.count("dflash eval ") == 1 and "eval.md" not in commands  # no second print of the table
+    out = tmp_path / "eval"
+    result = run_dflash("eval", "--draft", str(trained_run / "export"), "--data", "mtbench", "--max-samples", "1",
+                        "--max-new-tokens", "4", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == (out / "eval.md").read_text() + "\n"  # what `dflash eval` prints: the table, once
+    assert (result.stdout + result.stderr).count("| dataset | prompts |") == 1
