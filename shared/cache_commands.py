@@ -13,7 +13,7 @@ import click
 import numpy as np
 
 from dflash.shared import cache_format as cf
-from dflash.shared.feature_codecs import FeatureCodec, manifest_codec
+from dflash.shared.feature_codecs import SCALES_ARRAY, FeatureCodec, manifest_codec
 
 HEARTBEAT_STALE_S = 30.0
 
@@ -113,6 +113,13 @@ def verify_shard(cache_dir: Path, shard: int, entry: dict[str, Any], vocab_size:
         if tuple(features.shape) != (int(offsets[-1]), feature_dim):
             problems.append(f"features have shape {tuple(features.shape)}, expected ({int(offsets[-1])}, {feature_dim})")
         group = reader.group
+        # zarr reads a chunk whose object is missing as its fill value (zeros): the shapes and the token-id range
+        # would pass, and training would read zeros. zarr also leaves out a chunk that is all fill value, so only
+        # arrays where that cannot happen are checked: features, their scales, token ids and loss masks (every
+        # sample has supervised tokens); sample_index may be [0], offsets are checked by their order below.
+        for name in ("features", SCALES_ARRAY, "input_ids", "loss_mask"):
+            if name in group and group[name].nchunks_initialized < group[name].nchunks:
+                problems.append(f"{name}: stored chunks are missing (they would read as zeros)")
         input_ids = np.asarray(group["input_ids"][:])
         loss_mask = np.asarray(group["loss_mask"][:])
         for name, array in (("input_ids", input_ids), ("loss_mask", loss_mask)):

@@ -84,6 +84,9 @@ IDENTITY_KEYS = (
 
 # The manifest's record of the options of the run that made the cache (what `dflash extract --repair` reruns).
 OPTIONS_KEY = "options"
+# In a done shard's manifest entry that kept no sample: the token lengths of its conversations that were longer
+# than --max-length, sorted (what the error about an empty cache quotes).
+SKIPPED_LENGTHS_KEY = "skipped_lengths"
 
 SHARD_PENDING, SHARD_RUNNING, SHARD_DONE, SHARD_FAILED = "pending", "running", "done", "failed"
 

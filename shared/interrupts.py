@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 
 _OWNER = {"pid": os.getpid()}
@@ -41,10 +41,17 @@ def rerun_command(add_flag: str | None = None, drop_flags: tuple[str, ...] = ())
     return shlex.join(["dflash", *args])
 
 
+def exit_interrupted(command: str, signum: int, how_to_go_on: str) -> NoReturn:
+    """Print `dflash COMMAND: interrupted (SIGINT); HOW_TO_GO_ON` and exit 128 + the signal number."""
+    print(f"dflash {command}: interrupted ({signal.Signals(signum).name}); {how_to_go_on}", file=sys.stderr)
+    sys.exit(128 + int(signum))
+
+
 @contextmanager
 def exit_on_interrupt(command: str, how_to_go_on: str) -> Iterator[None]:
-    """Run a command's body with SIGTERM raising KeyboardInterrupt; on either, print `dflash COMMAND:
-    interrupted (SIGINT); HOW_TO_GO_ON` and exit 128 + the signal number."""
+    """Run a command's body with SIGTERM raising KeyboardInterrupt; on either, `exit_interrupted`. A body that
+    handles the interrupt itself (a supervisor stopping its workers) returns 128 + the signal number as its exit
+    code: the caller passes that to `exit_interrupted` too, so every command says it the same way."""
     main_thread = threading.current_thread() is threading.main_thread()
     _OWNER["pid"] = os.getpid()
     previous = signal.signal(signal.SIGTERM, raise_interrupt) if main_thread else None
@@ -53,9 +60,12 @@ def exit_on_interrupt(command: str, how_to_go_on: str) -> Iterator[None]:
     except KeyboardInterrupt as interrupt:
         if os.getpid() != _OWNER["pid"]:  # a forked child unwinding the stack it copied: not ours to report
             raise
-        signum = interrupt_signal(interrupt)
-        print(f"dflash {command}: interrupted ({signum.name}); {how_to_go_on}", file=sys.stderr)
-        sys.exit(128 + int(signum))
+        exit_interrupted(command, interrupt_signal(interrupt), how_to_go_on)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def interrupted_by(code: int) -> int | None:
+    """The signal behind the exit code 128 + N of an interrupted run (None for any other code)."""
+    return code - 128 if code - 128 in (signal.SIGINT, signal.SIGTERM) else None

@@ -122,9 +122,17 @@ def _upload_files(bucket: Any, files: list[tuple[Path, str]], threads: int = 16)
 
 
 def upload_store(bucket: Any, store_dir: Path, key: str) -> int:
-    """Upload one zarr store folder to `key`, its group zarr.json (which says complete) last; returns bytes."""
+    """Upload one zarr store folder to `key`, its group zarr.json (which says complete) last; returns bytes. Objects
+    under `key` that the store does not hold (left by a damaged or half-uploaded earlier store) are deleted first,
+    so the store in the bucket is exactly the local one."""
+    import obstore
+
     files = sorted(p for p in store_dir.rglob("*") if p.is_file())
     group_json = store_dir / "zarr.json"
+    keys = {f"{key}/{p.relative_to(store_dir).as_posix()}" for p in files}
+    stale = [meta["path"] for batch in obstore.list(bucket, key + "/") for meta in batch if meta["path"] not in keys]
+    if stale:
+        obstore.delete(bucket, stale)
     data = [(p, f"{key}/{p.relative_to(store_dir).as_posix()}") for p in files if p != group_json]
     total = _upload_files(bucket, data)
     return total + _upload_files(bucket, [(group_json, f"{key}/zarr.json")])
@@ -149,8 +157,10 @@ def seed_staging(staging: Path, url: str) -> bool:
     return True
 
 
-def publish(staging: Path, url: str, *, overwrite: bool = False, log: Callable[[str], None] = print) -> dict[str, int]:
-    """Publish the finished shards of a local staging cache to the bucket (see the module docstring)."""
+def publish(staging: Path, url: str, *, overwrite: bool = False, only: set[int] | None = None,
+            log: Callable[[str], None] = print) -> dict[str, int]:
+    """Publish the finished shards of a local staging cache to the bucket (see the module docstring); with `only`,
+    just those shards (`dflash extract --repair`: the others in the bucket are not touched)."""
     bucket = open_bucket(url)
     local = cf.read_manifest(staging)
     remote, _ = read_remote_json(bucket, cf.MANIFEST_FILE)
@@ -170,6 +180,8 @@ def publish(staging: Path, url: str, *, overwrite: bool = False, log: Callable[[
     for key, entry in sorted(local["shards"].items(), key=lambda item: int(item[0])):
         store = cf.shard_path(staging, int(key))
         if entry.get("status") != cf.SHARD_DONE or entry.get("remote_only") or not store.is_dir():
+            continue
+        if only is not None and int(key) not in only:
             continue
         remote_entry = (remote or {}).get("shards", {}).get(key, {})
         if remote_entry.get("status") == cf.SHARD_DONE and remote_entry.get("finished") == entry.get("finished"):

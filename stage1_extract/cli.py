@@ -78,8 +78,8 @@ def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None)
 @click.option("--yes", is_flag=True, help="With --overwrite: do not ask, discard.")
 @click.option("--repair", is_flag=True,
               help="Redo exactly the shards `dflash inspect --verify` finds damaged (and unfinished ones), with the "
-                   "options recorded in the cache's manifest; healthy shards are not touched. Takes only --out, "
-                   "--workers and -v.")
+                   "options recorded in the cache's manifest; healthy shards are not touched (in a bucket: not uploaded "
+                   "again). Takes only --out, --staging, --workers and -v.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug messages on the console.")
 def extract_command(**kwargs: object) -> None:
     """Stage 1: run the frozen target over chat data and cache its hidden states.
@@ -93,48 +93,48 @@ def extract_command(**kwargs: object) -> None:
     Exit codes: 0 done, 1 a worker failed (traceback in the log), 2 bad option or input, 3 refused (cache made
     with other settings, or shards locked by another run), 130/143 interrupted (rerun to resume).
     """
-    from dflash.shared.interrupts import exit_on_interrupt
+    from dflash.shared.interrupts import exit_interrupted, exit_on_interrupt, interrupted_by
     from dflash.stage1_extract.supervisor import EXIT_REFUSED, ExtractRefused
 
+    how_to_go_on = "rerun the same command to resume (finished shards are kept)"
     try:
-        with exit_on_interrupt("extract", "rerun the same command to resume (finished shards are kept)"):
-            _extract(click.get_current_context(), kwargs)
+        with exit_on_interrupt("extract", how_to_go_on):
+            code = _extract(click.get_current_context(), kwargs)
     except ExtractRefused as error:
         click.echo(f"dflash extract: refused: {error}", err=True)
         sys.exit(EXIT_REFUSED)
+    if (signum := interrupted_by(code)) is not None:
+        exit_interrupted("extract", signum, how_to_go_on)
+    sys.exit(code)
 
 
-REPAIR_TAKES = {"out", "workers", "verbose", "repair"}
+REPAIR_TAKES = {"out", "staging", "workers", "verbose", "repair"}
 
 
-def _extract(ctx: click.Context, kwargs: dict[str, object]) -> None:
+def _extract(ctx: click.Context, kwargs: dict[str, object]) -> int:
+    """Run `dflash extract` as the options say; returns the exit code."""
     from dflash.shared import object_store
     from dflash.stage1_extract.supervisor import (
         EXIT_REFUSED,
         ExtractOptions,
         ExtractRefused,
         confirm_overwrite,
-        repair_options,
         run_extract,
     )
 
     yes = bool(kwargs.pop("yes"))
     if kwargs.pop("repair"):
+        from dflash.stage1_extract.repair import repair
+
         given = sorted(f"--{name.replace('_', '-')}" for name in kwargs if name not in REPAIR_TAKES
                        and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE)
         if given:
             raise click.UsageError(f"--repair takes the options of the original run from the cache's manifest; "
                                    f"leave out {', '.join(given)}")
-        if object_store.is_remote(str(kwargs["out"])):
-            raise click.UsageError("--repair works on a local cache: repair the staging cache, then publish it")
-        options, shards = repair_options(Path(str(kwargs["out"])), kwargs["workers"],  # type: ignore[arg-type]
-                                         bool(kwargs["verbose"]))
-        if not shards:
-            click.echo(f"dflash extract: every shard of {options.out} is sound: nothing to repair", err=True)
-            return
-        click.echo(f"dflash extract: repairing shards {shards} of {options.out} with the options it was made with",
-                   err=True)
-        sys.exit(run_extract(options))
+        if kwargs["staging"] is not None and not object_store.is_remote(str(kwargs["out"])):
+            raise click.UsageError("--staging is only for --out s3://...")
+        return repair(str(kwargs["out"]), kwargs["staging"], kwargs["workers"], bool(kwargs["verbose"]),  # type: ignore[arg-type]
+                      lambda line: click.echo(f"dflash extract: {line}", err=True))
     url, staging = str(kwargs.pop("out")), kwargs.pop("staging")
     remote = object_store.is_remote(url)
     if remote:
@@ -155,8 +155,8 @@ def _extract(ctx: click.Context, kwargs: dict[str, object]) -> None:
                        f"({counts['bytes'] / 1e9:.2f} GB), {counts['already']} were already there", err=True)
     except (ExtractRefused, object_store.RemoteCacheError) as error:
         click.echo(f"dflash extract: refused: {error}", err=True)
-        sys.exit(EXIT_REFUSED)
-    sys.exit(code)
+        return EXIT_REFUSED
+    return code
 
 
 @click.command("generate")
@@ -207,14 +207,17 @@ def generate_command(**kwargs: object) -> None:
     Exit codes: 0 done, 1 a worker failed (see OUT/generate.log), 2 bad option or input, 3 refused (output made
     with other settings, or in use by another run), 130/143 interrupted (rerun to resume).
     """
-    from dflash.shared.interrupts import exit_on_interrupt
+    from dflash.shared.interrupts import exit_interrupted, exit_on_interrupt, interrupted_by
     from dflash.stage1_extract.generate_run import GenerateOptions, run_generate
     from dflash.stage1_extract.supervisor import EXIT_REFUSED, ExtractRefused
 
+    how_to_go_on = "rerun the same command to resume (finished conversations are kept)"
     try:
-        with exit_on_interrupt("generate", "rerun the same command to resume (finished conversations are kept)"):
+        with exit_on_interrupt("generate", how_to_go_on):
             code = run_generate(GenerateOptions(**kwargs))  # type: ignore[arg-type]
     except ExtractRefused as error:
         click.echo(f"dflash generate: refused: {error}", err=True)
         sys.exit(EXIT_REFUSED)
+    if (signum := interrupted_by(code)) is not None:
+        exit_interrupted("generate", signum, how_to_go_on)
     sys.exit(code)

@@ -231,7 +231,8 @@ def _first_non_utf8_line(path: Path, opener: Any) -> int | None:
 
 def _parse_json_line(line: str, display: str, line_number: int) -> Any:
     try:
-        return json.loads(line)
+        # Without its line end: a line cut inside a string is "Unterminated string", not "Invalid control character".
+        return json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as exc:
         hint = " (the file may be cut off)" if not line.endswith("\n") else ""
         raise DataError(

@@ -30,6 +30,7 @@ from dflash.shared import cache_format as cf
 from dflash.shared.interrupts import interrupt_signal, raise_interrupt
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.output_dirs import refuse_foreign_folder
+from dflash.shared.processes import die_with_parent, stop_processes
 from dflash.shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids, target_content_hash
 from dflash.stage1_extract.conversations import Conversation, load_conversations, template_fingerprint
 from dflash.stage1_extract.regenerate import ConversationRegenerator, GenerateSettings
@@ -40,10 +41,8 @@ from dflash.stage1_extract.supervisor import (
     Progress,
     detect_devices,
     failure_summary,
-    stop_processes,
     wait_for_event,
 )
-from dflash.stage1_extract.worker import die_with_parent
 
 log = get_logger(__name__)
 
@@ -263,8 +262,7 @@ class GenerateRun:
             return self._event_loop(len(chunks), len(pending), events)
         except KeyboardInterrupt as interrupt:
             signum = interrupt_signal(interrupt)
-            log.warning("interrupted (%s): stopping workers; rerun the same command to resume",
-                        signum.name)
+            log.warning("interrupted (%s): stopping workers", signum.name)
             stop_processes(self.processes)
             self._write_run_status("interrupted", {})
             return 128 + int(signum)

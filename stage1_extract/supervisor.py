@@ -13,6 +13,7 @@ import queue
 import re
 import shutil
 import signal
+import statistics
 import sys
 import time
 from contextlib import ExitStack
@@ -26,6 +27,7 @@ from dflash.shared.feature_codecs import FEATURE_DTYPES
 from dflash.shared.interrupts import interrupt_signal, raise_interrupt
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.output_dirs import refuse_foreign_folder
+from dflash.shared.processes import stop_processes
 from dflash.shared.target_layers import default_layer_ids, validate_layer_ids
 from dflash.shared.target_loading import (
     ResolvedTarget,
@@ -98,26 +100,6 @@ def confirm_overwrite(out: Path, yes: bool) -> None:
         raise ExtractRefused("not confirmed: nothing was changed")
     raise ExtractRefused(f"--overwrite on the existing cache {out} discards finished shards: add --yes to confirm "
                          f"(to redo only damaged shards: `dflash extract --repair --out {out}`)")
-
-
-def repair_options(out: Path, workers: int | None = None, verbose: bool = False) -> tuple[ExtractOptions, list[int]]:
-    """`dflash extract --repair`: the options of the run that made the cache `out` (from its manifest) and the shards
-    to redo (those `dflash inspect --verify` finds damaged, and any not finished); ([] when all are sound)."""
-    from dflash.shared.cache_commands import verify_cache
-
-    manifest = cf.read_manifest(out)
-    recorded = manifest.get(cf.OPTIONS_KEY)
-    if not recorded:
-        raise ExtractRefused(
-            f"{out / cf.MANIFEST_FILE} does not record the options of the run that made it (an older dflash): "
-            "--repair cannot redo its shards; re-extract the damaged ones with `dflash extract --out "
-            f"{out} --only-shards N --overwrite --yes` and exactly the options of the original run")
-    damaged = set(verify_cache(out))
-    unfinished = {int(k) for k, e in manifest["shards"].items() if e.get("status") != cf.SHARD_DONE}
-    shards = sorted(damaged | unfinished)
-    options = ExtractOptions(out=out, **recorded, only_shards=",".join(map(str, shards)) or None, redo=True,
-                             workers=workers, verbose=verbose)
-    return options, shards
 
 
 MAX_SHARDS = 100_000
@@ -388,8 +370,7 @@ class Supervisor:
             return self._event_loop(set(shards), total_samples, events)
         except KeyboardInterrupt as interrupt:
             signum = interrupt_signal(interrupt)
-            log.warning("interrupted (%s): stopping workers; rerun the same command to resume",
-                        signum.name)
+            log.warning("interrupted (%s): stopping workers", signum.name)
             self._stop_workers()
             self._reset_running_shards(shards, cf.SHARD_PENDING)
             self._write_run_status("interrupted", {})
@@ -483,18 +464,25 @@ class Supervisor:
         log.info(message)
         print(message, file=sys.stderr)
         if samples == 0 and len(done) == len(manifest["shards"]):
-            raise UserError(empty_cache_cause(self.cache_dir, skipped, self.options.max_length,
+            too_long = sorted(n for s in done for n in s.get(cf.SKIPPED_LENGTHS_KEY, []))
+            raise UserError(empty_cache_cause(self.cache_dir, skipped, too_long, self.options.max_length,
                                               self.options.overlength))
 
 
-def empty_cache_cause(cache_dir: Path, skipped: dict[str, int], max_length: int, overlength: str) -> str:
-    """Why an extraction that finished every shard stored no sample, and what to change."""
+def empty_cache_cause(cache_dir: Path, skipped: dict[str, int], too_long: list[int], max_length: int,
+                      overlength: str) -> str:
+    """Why an extraction that finished every shard stored no sample, and what to change. `too_long`: the sorted
+    token lengths of the skipped conversations that were longer than --max-length."""
     counts = ", ".join(f"{reason}: {count}" for reason, count in sorted(skipped.items())) or "none"
     cause = f"the cache {cache_dir} holds 0 samples: every conversation was skipped ({counts})"
-    if skipped.get("too_long") or skipped.get("no_assistant_tokens"):
-        kept = "whole" if overlength == "skip" else "cut at --max-length"
-        return (f"{cause}; with --max-length {max_length} no conversation ({kept}) keeps 2 assistant tokens to "
-                "learn from: raise --max-length (and rerun with --overwrite --yes)")
+    if too_long:
+        total = sum(skipped.values())
+        which = f"all {total} are" if len(too_long) == total else f"{len(too_long)} of them are"
+        fate = (" were skipped whole" if overlength == "skip"
+                else ", cut there, keep no 2 assistant tokens to learn from")
+        return (f"{cause}; {which} longer than --max-length {max_length} (shortest {too_long[0]} tokens, median "
+                f"{statistics.median_low(too_long)}) and{fate}: raise --max-length (and rerun with --overwrite "
+                "--yes)")
     return f"{cause}; check the data and its chat template (see {cache_dir / cf.LOG_FILE})"
 
 
@@ -539,19 +527,6 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
-
-
-def stop_processes(processes: list[mp.process.BaseProcess]) -> None:
-    """Terminate and reap every worker: none is left running or as a zombie."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.time() + 15
-    for process in processes:
-        process.join(timeout=max(0.1, deadline - time.time()))
-        if process.is_alive():
-            process.kill()
-            process.join()
 
 
 def _format_seconds(seconds: float | None) -> str:

@@ -9,7 +9,6 @@ Spawned by the supervisor (never a thread). Messages to the supervisor go throug
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import time
@@ -21,12 +20,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.shared.cache_format import TopKFormat, shard_path, topk_positions, write_status
+from dflash.shared.cache_format import SKIPPED_LENGTHS_KEY, TopKFormat, shard_path, topk_positions, write_status
 from dflash.shared.feature_codecs import codec
 from dflash.shared.logs import get_logger, setup_logging
+from dflash.shared.processes import die_with_parent
 from dflash.shared.target_layers import LayerCapture, check_embedding_path, embedding_scale
 from dflash.shared.target_loading import load_target_model, load_tokenizer
-from dflash.stage1_extract.conversations import Conversation, TokenizedSample, tokenize_conversation
+from dflash.stage1_extract.conversations import (
+    Conversation,
+    TokenizedSample,
+    chat_token_ids,
+    tokenize_conversation,
+)
 from dflash.stage1_extract.shard_writer import FeatureShardWriter
 from dflash.stage1_extract.target_topk import TargetTopK
 
@@ -34,6 +39,8 @@ log = get_logger(__name__)
 
 # Fault injection for tests: batches with more padded tokens than this raise a (fake) out-of-memory error.
 FAKE_OOM_ENV = "DFLASH_FAKE_OOM_TOKENS"
+# Skip reasons a longer --max-length can cure (tokenize_conversation).
+LENGTH_SKIPS = ("too_long", "no_assistant_tokens")
 
 
 @dataclass(frozen=True)
@@ -102,15 +109,6 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when the supervisor dies, so no worker outlives a killed run."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class ShardExtractor:
     """Turns one shard's conversations into a published store; holds the model between shards."""
 
@@ -140,9 +138,12 @@ class ShardExtractor:
         row_width, row_dtype = self.codec.encoded_row_format(self.feature_dim, self.num_layers)
         self.pinned = PinnedSlots(4, self.batch_tokens, row_width, row_dtype) if device.type == "cuda" else None
 
-    def tokenize(self, task: ShardTask) -> tuple[list[TokenizedSample], dict[str, int]]:
+    def tokenize(self, task: ShardTask) -> tuple[list[TokenizedSample], dict[str, int], list[int]]:
+        """The shard's samples (longest first), its skip counts by reason, and the token lengths of the
+        conversations skipped because they were longer than --max-length (why a shard may keep nothing)."""
         samples: list[TokenizedSample] = []
         skipped: dict[str, int] = {}
+        too_long: list[int] = []
         for conversation in task.conversations:
             result = tokenize_conversation(
                 self.tokenizer,
@@ -153,16 +154,24 @@ class ShardExtractor:
             )
             if isinstance(result, str):
                 skipped[result] = skipped.get(result, 0) + 1
+                if result in LENGTH_SKIPS:  # tokenized again: only skipped conversations pay for it
+                    length = len(chat_token_ids(self.tokenizer, [dict(m) for m in conversation.messages],
+                                                add_generation_prompt=False))
+                    if length > self.config.max_length:
+                        too_long.append(length)
             else:
                 samples.append(result)
         # Longest first (ties by dataset index): batches pad little, and an OOM shows up at once.
         samples.sort(key=lambda s: (-len(s.input_ids), s.index))
-        return samples, skipped
+        return samples, skipped, sorted(too_long)
 
     def run(self, task: ShardTask) -> dict[str, Any]:
         started = time.time()
-        samples, skipped = self.tokenize(task)
-        return self.write_shard(task.shard, samples, skipped, started)
+        samples, skipped, too_long = self.tokenize(task)
+        stats = self.write_shard(task.shard, samples, skipped, started)
+        if not samples and too_long:  # the manifest keeps them only where they explain an empty shard
+            stats[SKIPPED_LENGTHS_KEY] = too_long
+        return stats
 
     def write_shard(self, shard: int, samples: list[TokenizedSample], skipped: dict[str, int],
                     started: float) -> dict[str, Any]:

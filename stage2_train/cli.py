@@ -115,7 +115,8 @@ def _train(processes: int | None, compile_: bool, kwargs: dict[str, object]) -> 
     import torch
 
     from dflash.shared.object_store import resolve_cache
-    from dflash.stage2_train.trainer import spawn_processes, train
+    from dflash.stage2_train.launch import spawn_processes
+    from dflash.stage2_train.trainer import train
 
     kwargs["cache"] = resolve_cache(str(kwargs["cache"]), read_through=bool(kwargs.pop("local_copy")))
     options = TrainOptions(compile=compile_, **kwargs)  # type: ignore[arg-type]

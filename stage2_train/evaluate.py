@@ -552,6 +552,8 @@ def run_eval(
     def lookup(ids: list[int], n: int) -> SpecResult:
         return SpecResult(tokens=[]) if lookup_refused else prompt_lookup_generate(target, ids, n, stops)
 
+    log.info("evaluating %s with the target %s on %s (%d prompts): warming up", draft_dir, resolved.display_name,
+             device, sum(len(prompts) for prompts in prompts_by_dataset.values()))
     dflash(first, 4)
     greedy_generate(target, first, 4, stops)
     lookup(first, 4)

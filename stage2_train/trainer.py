@@ -12,7 +12,6 @@ the update is the same for any split of the global batch over processes and accu
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -259,42 +258,3 @@ class MetricsLog:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.tensorboard.add_scalar(key, value, record["step"])
-
-
-def spawn_processes(options: TrainOptions, processes: int) -> int:
-    """Run `processes` training processes on this machine (CPU: gloo) without `accelerate launch`."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.get_context("spawn")
-    children = []
-    for rank in range(processes):
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes)}
-        child = context.Process(target=_child_main, args=(options, env), name=f"dflash-train-{rank}")
-        child.start()
-        children.append(child)
-    code = 0
-    try:
-        for child in children:
-            child.join()
-            code = code or (child.exitcode or 0)
-            if child.exitcode:
-                for other in children:
-                    if other.is_alive():
-                        other.terminate()
-    finally:
-        for child in children:
-            if child.is_alive():
-                child.terminate()
-            child.join()
-    return 1 if code else 0
-
-
-def _child_main(options: TrainOptions, env: dict[str, str]) -> None:
-    os.environ.update(env)
-    train(options)

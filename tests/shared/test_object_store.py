@@ -173,3 +173,53 @@ def test_a_missing_remote_cache_gives_a_clear_error(s3_env: dict[str, str], tmp_
     result = run_dflash("train", "--cache", "s3://caches/nothing-here", "--out", str(tmp_path / "run"))
     assert result.returncode == 2 and "is not a dflash cache" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def bucket_objects(bucket: object, prefix: str = "") -> dict[str, tuple[str, object]]:
+    """Every object under `prefix` -> (sha256 of its bytes, when it was last written)."""
+    import hashlib
+
+    import obstore
+
+    return {meta["path"]: (hashlib.sha256(bytes(obstore.get(bucket, meta["path"]).bytes())).hexdigest(),
+                           meta["last_modified"])
+            for batch in obstore.list(bucket, prefix or None) for meta in batch}
+
+
+def test_repair_in_a_bucket_redoes_exactly_the_damaged_shard(s3_env: dict[str, str], baseline_cache: Path,
+                                                            tmp_path: Path) -> None:
+    import obstore
+
+    url = "s3://caches/repair"
+    osx.publish(baseline_cache, url, log=lambda _: None)  # a cache in a bucket, as extracting machines leave it
+    bucket = osx.open_bucket(url)
+    damaged = f"{cf.SHARDS_DIR}/{cf.shard_name(1)}/"
+    key = damaged + "features/c/0/0"
+    data = bytearray(bytes(obstore.get(bucket, key).bytes()))
+    data[100] ^= 1
+    obstore.put(bucket, key, bytes(data))
+    obstore.put(bucket, damaged + "stray-object", b"left by something else")
+    before = bucket_objects(bucket)
+    verified = run_dflash("inspect", "--cache", url, "--verify")
+    assert verified.returncode == 1 and "DAMAGED shard 1" in verified.stdout, verified.stdout[-2000:]
+    command = f"dflash extract --repair --out {url}"
+    assert f"fix: {command} (redoes shards [1]" in verified.stdout
+    # Run as printed, on a machine without the staging cache of the extraction (--staging: a fresh folder).
+    repaired = run_dflash(*command.split()[1:], "--staging", str(tmp_path / "new-machine"))
+    assert repaired.returncode == 0, repaired.stderr[-3000:]
+    assert f"repairing shards [1] of {url}" in repaired.stderr and f"1 repaired shards published to {url}" in \
+        repaired.stderr
+    after = bucket_objects(bucket)
+    healthy = {k: v for k, v in before.items() if not k.startswith(damaged) and k != cf.MANIFEST_FILE}
+    assert {k: after.get(k) for k in healthy} == healthy  # the same bytes, not even written again
+    assert sorted(k for k in after if k.startswith(damaged)) == \
+        sorted(f"{damaged}{p.relative_to(cf.shard_path(baseline_cache, 1)).as_posix()}"
+               for p in cf.shard_path(baseline_cache, 1).rglob("*") if p.is_file())  # the stray object is gone
+    mirror = osx.resolve_cache(url)
+    for shard in range(3):
+        ours, theirs = remote_arrays(mirror, shard), local_arrays(baseline_cache, shard)
+        for name in ARRAYS:
+            np.testing.assert_array_equal(ours[name], theirs[name], err_msg=f"shard {shard} {name}")
+    assert run_dflash("inspect", "--cache", url, "--verify").returncode == 0
+    assert run_dflash(*command.split()[1:], "--staging", str(tmp_path / "new-machine")).stderr.endswith(
+        f"dflash extract: every shard of {url} is sound: nothing to repair\n")

@@ -357,3 +357,17 @@ def test_embedded_default_end_to_end(tmp_path: Path) -> None:
     assert manifest["identity"]["feature_dtype"] == "fp8"  # the default: e4m3 bytes + a float32 scale per layer
     assert summary["bytes_per_token"] == 5 * 576 + 4 * 5
     assert (out / "extract.log").read_text().count("dflash extract starting") == 1
+
+
+def test_the_empty_cache_error_names_the_lengths_seen() -> None:
+    from dflash.stage1_extract.supervisor import empty_cache_cause
+
+    cache = Path("/data/cache")
+    skip = empty_cache_cause(cache, {"too_long": 24}, [57, 80, 312, 400] + [500] * 20, 8, "skip")
+    assert skip == ("the cache /data/cache holds 0 samples: every conversation was skipped (too_long: 24); all 24 are "
+                    "longer than --max-length 8 (shortest 57 tokens, median 500) and were skipped whole: raise "
+                    "--max-length (and rerun with --overwrite --yes)")
+    mixed = empty_cache_cause(cache, {"no_assistant_tokens": 3, "template_error": 1}, [40, 41, 90], 32, "truncate")
+    assert "; 3 of them are longer than --max-length 32 (shortest 40 tokens, median 41) and, cut there, keep" in mixed
+    other = empty_cache_cause(cache, {"template_error": 2}, [], 2048, "truncate")
+    assert other.endswith("(template_error: 2); check the data and its chat template (see /data/cache/extract.log)")
