@@ -67,6 +67,11 @@ def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None)
               help="How features are stored: fp8 e4m3 with one float32 scale per token and layer (half the bytes of "
                    "bf16; quantized on the GPU, dequantized by stage 2 on the GPU), or bf16 (exact). Drafters trained "
                    "on either reached the same acceptance (docs/benchmarks.md, 'fp8 features').")
+@click.option("--export-layers", default=None, metavar="last[:N]|first[:N]|all|I,J,...",
+              help="Also copy these target decoder layers (attention, MLP and norm weights) and the final norm into "
+                   "target/decoder_layers.safetensors, for `dflash train --init-from-target` (last / first = as "
+                   "many as layers are captured). One layer of Qwen3-8B is ~0.4 GB in bf16. Rerunning extract with "
+                   "it on a finished cache adds the layers and redoes no shard.")
 @click.option("--overwrite", is_flag=True,
               help="Redo the selected shards even if complete; discard the cache if its settings differ. Asks first "
                    "on a terminal; elsewhere refused without --yes.")

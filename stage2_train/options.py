@@ -42,6 +42,7 @@ class TrainOptions:
     resume: bool = False
     overwrite: bool = False
     init_from: Path | None = None
+    init_from_target: str | None = None  # target layers to start from (target_init.py): last, first or ids
     seed: int = 0
     attention: str = "auto"
     compile: bool = False

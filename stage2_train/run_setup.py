@@ -33,6 +33,7 @@ from dflash.stage2_train.loss import default_gamma, position_weights
 from dflash.stage2_train.memory_plan import GIB, DrafterShape, MemoryPlan, limit_from_option, make_plan, step_bytes
 from dflash.stage2_train.objective import OBJECTIVES, Objective
 from dflash.stage2_train.options import TrainOptions
+from dflash.stage2_train.target_init import init_from_target
 from dflash.stage2_train.target_parts import TargetParts, load_target_parts, resolve_mask_token
 
 log = get_logger(__name__)
@@ -80,6 +81,7 @@ class TrainingRun:
     total_steps: int
     memory: MemoryPlan | None = None  # how micro-batches are split to fit the device (`plan_memory`)
     state: TrainState = field(default_factory=TrainState)
+    target_init: dict[str, Any] | None = None  # what --init-from-target copied (`target_init.init_from_target`)
     best_tau: float = -math.inf  # the best held-out walk tau after step 0 (export_best/)
     lock: Any = None  # the run directory's lock, held by the main process until the run ends
 
@@ -140,6 +142,9 @@ class TrainingRun:
 def setup_run(options: TrainOptions) -> TrainingRun:
     """Build a run in order: accelerator and logs, cache and split, drafter, optimizer and schedule, compile; then
     the resume point (checkpoint loaded) and the run's records on disk."""
+    if options.init_from is not None and options.init_from_target is not None:
+        raise UserError("--init-from EXPORT_DIR and --init-from-target both choose the drafter's first weights: "
+                        "give one of them")
     files = RunFiles(options.out.resolve())
     lock = claim_run_dir(options, files)
     accelerator, precision = make_accelerator(options, files)
@@ -155,6 +160,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     model = DFlashDraftModel(config, attn_implementation=options.attention)  # type: ignore[arg-type]
     if options.init_from is not None:
         init_from_export(model, config, manifest, options.init_from)
+    target_init = init_from_target(model, cache, options.init_from_target) if options.init_from_target else None
     # Frozen target parts in the compute dtype (bf16 under mixed precision; fp32 otherwise, e.g. CPU tests).
     compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     device = accelerator.device
@@ -167,7 +173,8 @@ def setup_run(options: TrainOptions) -> TrainingRun:
         embed=parts.embed_tokens.to(device, compute_dtype), lm_head=parts.lm_head.to(device, compute_dtype),
         position_weights=position_weights(options.block_size, options.gamma or default_gamma(options.block_size),
                                           device=device),
-        bucket_multiple=128 if device.type == "cuda" else 16, steps_per_epoch=0, total_steps=0, lock=lock)
+        bucket_multiple=128 if device.type == "cuda" else 16, steps_per_epoch=0, total_steps=0, lock=lock,
+        target_init=target_init)
     # Each epoch packs a new shuffle into token-budget micro-batches, so epochs differ in step count.
     run.steps_per_epoch = run.steps_in_epoch(0)
     if run.steps_per_epoch == 0:
@@ -411,8 +418,14 @@ def resume(run: TrainingRun) -> None:
 
 
 def write_run_records(run: TrainingRun) -> None:
-    """What the run was made from, beside its results: options, drafter config, the cache's manifest."""
+    """What the run was made from, beside its results: options, drafter config, the cache's manifest, and what
+    --init-from-target copied (kept from the run's start when it resumed from a checkpoint)."""
     options = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(run.options).items()}
     run.files.options.write_text(json.dumps({**options, "total_steps": run.total_steps}, indent=2))
     run.files.draft_config.write_text(json.dumps(run.config.to_dict(), indent=2))
     cf.write_json_atomic(run.files.cache_manifest, run.manifest)
+    if run.state.step == 0:  # the weights are the initial ones: record how they were made
+        if run.target_init is not None:
+            cf.write_json_atomic(run.files.target_init, run.target_init)
+        else:
+            run.files.target_init.unlink(missing_ok=True)
