@@ -34,9 +34,10 @@ class TrainOptions:
     max_anchors: int = DEFAULT_MAX_ANCHORS
     anchor_density: float | None = DEFAULT_ANCHOR_DENSITY
     gamma: float | None = None
-    eval_fraction: float = 0.05
+    eval_fraction: float = 0.05  # the validation split: periodic evaluation and the choice of export_best/
+    test_fraction: float = 0.05  # the test split: the chosen drafter, evaluated once at the end
     eval_every: int = 200
-    eval_sequences: int = 16
+    eval_sequences: int | None = None  # validation sequences per evaluation (None: the whole split)
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     resume: bool = False

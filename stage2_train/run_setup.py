@@ -153,7 +153,9 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     set_seed(options.seed)
     cache = options.cache.resolve()
     manifest = cf.read_manifest(cache)
-    index = CacheIndex.from_cache(cache, options.eval_fraction, options.seed)
+    if options.resume:
+        keep_recorded_split(options, files)
+    index = CacheIndex.from_cache(cache, options.eval_fraction, options.seed, options.test_fraction)
     parts = load_target_parts(cache)
     config, mask_token_id = drafter_config(options, manifest, parts, files)
     torch.manual_seed(options.seed)
@@ -234,6 +236,28 @@ def claim_run_dir(options: TrainOptions, files: RunFiles) -> Any:
             elif path.exists():
                 path.unlink()
     return lock
+
+
+def keep_recorded_split(options: TrainOptions, files: RunFiles) -> None:
+    """--resume: the cache is split as when the run started. A run started before dflash held out a test split
+    recorded no test fraction and had none (its held-out samples are its validation split): it resumes without one.
+    Other split flags than the run's are refused."""
+    if not files.options.is_file():
+        return
+    record = json.loads(files.options.read_text())
+    if "test_fraction" not in record:
+        if options.test_fraction:
+            log.info("--resume: this run started before dflash held out a test split; it goes on without one "
+                     "(--test-fraction 0), so its training split stays as it was")
+        options.test_fraction = 0.0
+    given = {"--eval-fraction": options.eval_fraction, "--test-fraction": options.test_fraction, "--seed": options.seed}
+    made = {"--eval-fraction": record.get("eval_fraction"), "--test-fraction": record.get("test_fraction", 0.0),
+            "--seed": record.get("seed")}
+    differences = [f"{flag}: the run has {made[flag]}, this command gives {value}" for flag, value in given.items()
+                   if made[flag] is not None and float(made[flag]) != float(value)]
+    if differences:
+        raise UserError(f"--resume: the run in {files.root} split its cache otherwise:\n  " + "\n  ".join(differences)
+                        + "\nresume with the flags it was started with")
 
 
 def make_accelerator(options: TrainOptions, files: RunFiles) -> tuple[Any, str]:
@@ -347,7 +371,7 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
 
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
     shape = DrafterShape.of(run.config, trainable, torch.finfo(run.compute_dtype).bits // 8)
-    train = ~run.index.is_eval
+    train = run.index.is_train
     lengths = run.index.lengths[train]
     blocks = run.anchor_rule.count(run.index.candidates[train])
     costliest = int(np.argmax(step_bytes(shape, lengths, blocks)))
