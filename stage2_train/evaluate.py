@@ -444,7 +444,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     training = report.get("training")
     if training:
         untrained = training["untrained_tau_walk"]
-        lines += ["", f"Training run (held-out split, offline walk): tau {_fmt(training['trained_tau_walk'], 3)} after "
+        lines += ["", f"Training run (validation split, offline walk): tau {_fmt(training['trained_tau_walk'], 3)} after "
                   f"{training['trained_step']} steps"
                   + (f" vs {_fmt(untrained, 3)} for the untrained drafter (step 0)." if untrained is not None
                      else " (no step-0 evaluation in this run).")]

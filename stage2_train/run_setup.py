@@ -64,7 +64,7 @@ class TrainingRun:
     cache: Path
     manifest: dict[str, Any]
     codec: FeatureCodec  # how the cache stores its features
-    index: CacheIndex  # train / held-out split of the cache
+    index: CacheIndex  # train / validation / test split of the cache
     parts: TargetParts  # the frozen target pieces, on the CPU
     config: DFlashConfig
     mask_token_id: int
@@ -82,7 +82,7 @@ class TrainingRun:
     memory: MemoryPlan | None = None  # how micro-batches are split to fit the device (`plan_memory`)
     state: TrainState = field(default_factory=TrainState)
     target_init: dict[str, Any] | None = None  # what --init-from-target copied (`target_init.init_from_target`)
-    best_tau: float = -math.inf  # the best held-out walk tau after step 0 (export_best/)
+    best_tau: float = -math.inf  # the best validation walk tau after step 0 (export_best/)
     lock: Any = None  # the run directory's lock, held by the main process until the run ends
 
     @property
@@ -416,7 +416,7 @@ def make_optimizer(run: TrainingRun) -> None:
 
 def resume(run: TrainingRun) -> None:
     """--resume: refuse a run whose drafter has other sizes, then load its latest complete checkpoint (model,
-    optimizer, schedule, RNG, data position) and the best held-out tau it kept."""
+    optimizer, schedule, RNG, data position) and the best validation tau it kept."""
     path = run.files.draft_config
     if path.is_file():
         differences = config_differences(run.config, json.loads(path.read_text()), "the run")

@@ -48,7 +48,7 @@ FeatureTransform = Callable[[Tensor], Tensor]
 
 
 def train(options: TrainOptions, feature_transform: FeatureTransform | None = None) -> dict[str, Any]:
-    """Train a drafter as `options` say; returns the last held-out evaluation."""
+    """Train a drafter as `options` say; returns the last validation evaluation."""
     run = setup_run(options)
     metrics = MetricsLog(run)
     log.info("training %d steps (~%d per epoch) on %d process(es), %s, %d train / %d validation / %d test samples; "
