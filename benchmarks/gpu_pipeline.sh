@@ -282,7 +282,7 @@ EOF
             name=$(basename "$run")
             [ -f "$run/export/config.json" ] || $DF export --run "$run"
             mkdir -p "$OUT/$name"
-            cp "$run/metrics.jsonl" "$run/train.log" "$run/"*.png "$run/export_best/best.json" "$OUT/$name/" 2>/dev/null
+            cp "$run/metrics.jsonl" "$run/train.log" "$run/"*.png "$run/export_best/best.json" "$run/test_results.json" "$OUT/$name/" 2>/dev/null
         done
         ;;
     eval)

@@ -260,7 +260,8 @@ def _generate_summary(out_dir: Path) -> dict[str, Any]:
 
 def train_summary(run_dir: Path) -> dict[str, Any]:
     """A `dflash train` run directory: running (its lock is held) / finished / stopped, the last step of the total,
-    the last loss and held-out tau, the latest checkpoint, and an ETA from this session's pace."""
+    the last loss and validation tau, the test split's tau (once training ended), the latest checkpoint, and an ETA
+    from this session's pace."""
     from filelock import FileLock, Timeout
 
     from dflash.shared.run_files import RunFiles
@@ -294,9 +295,12 @@ def train_summary(run_dir: Path) -> dict[str, Any]:
     latest = files.latest_checkpoint()
     state = ("running" if running else "finished" if total and step >= total and files.export.is_dir()
              else "stopped")
+    test = json.loads(files.test_results.read_text()) if files.test_results.is_file() else None
     return {"run": str(files.root), "state": state, "step": step, "total_steps": total,
             "loss": steps[-1]["loss"] if steps else None, "tau": evals[-1]["eval/tau_walk"] if evals else None,
             "tau_step": evals[-1]["step"] if evals else None, "eta_s": eta,
+            "test": {k: test.get(k) for k in ("drafter", "step", "sequences", "tau_walk", "tau_walk_stderr")} if test
+            else None,
             "latest_checkpoint": latest.name if latest else None, "cache": options.get("cache")}
 
 
@@ -305,8 +309,12 @@ def _print_train_status(report: dict[str, Any]) -> None:
                f"{report['total_steps'] or '?'}" + (f", ETA {report['eta_s']:,.0f} s" if report["state"] == "running"
                                                      and report["eta_s"] is not None else ""))
     if report["loss"] is not None:
-        click.echo(f"  last loss {report['loss']:.4f}" + (f"; held-out tau {report['tau']:.3f} at step "
+        click.echo(f"  last loss {report['loss']:.4f}" + (f"; validation tau {report['tau']:.3f} at step "
                                                           f"{report['tau_step']}" if report["tau"] else ""))
+    if report["test"] is not None:
+        test = report["test"]
+        click.echo(f"  test split ({test['sequences']} sequences, evaluated once): tau {test['tau_walk']:.3f} +- "
+                   f"{test['tau_walk_stderr'] or float('nan'):.3f} for {test['drafter']}/ (step {test['step']})")
     click.echo(f"  latest checkpoint: {report['latest_checkpoint'] or 'none'}")
     if report["state"] == "stopped":
         click.echo("  continue it with the `dflash train` command it was started with, plus --resume")

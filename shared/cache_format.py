@@ -61,6 +61,7 @@ STATUS_DIR = "status"
 LOCKS_DIR = "locks"
 LOG_FILE = "extract.log"
 EMBEDDINGS_FILE = "embeddings.safetensors"
+DECODER_LAYERS_FILE = "decoder_layers.safetensors"  # in target/, only with `dflash extract --export-layers`
 # Everything a cache directory may hold (anything else: the folder is not a cache; extract will not write there).
 CACHE_ENTRIES = (MANIFEST_FILE, MANIFEST_FILE + ".lock", LOG_FILE, TARGET_DIR, SHARDS_DIR, STATUS_DIR, LOCKS_DIR)
 
@@ -485,6 +486,21 @@ class ShardReader:
         if self.codec.scaled and scales is None:
             raise CacheError(f"shard store {self.path}: {self.codec.name} features without their {SCALES_ARRAY}")
         return self.codec.decode_numpy(np.asarray(self.features[start:end]), scales)
+
+
+# ------------------------------------------------------------------------------------------ target folder
+
+
+def read_layer_record(path: Path) -> dict[str, Any]:
+    """The record in the metadata of a target/decoder_layers.safetensors (`dflash extract --export-layers`):
+    `layer_ids` (the target layers it holds), `norm_weight_offset` (what the target's RMSNorms add to their weight:
+    0, 1 for zero-centred norms, None if unknown) and `left_out` (the layer tensors not exported, e.g. biases)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    return {key: json.loads(metadata[key]) for key in ("layer_ids", "norm_weight_offset", "left_out")
+            if key in metadata}
 
 
 # ------------------------------------------------------------------------------------------------- status

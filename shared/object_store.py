@@ -176,6 +176,11 @@ def publish(staging: Path, url: str, *, overwrite: bool = False, only: set[int] 
                     for p in sorted((staging / cf.TARGET_DIR).rglob("*")) if p.is_file()]
     if remote is None:  # the target files first: a manifest in the bucket promises them
         _upload_files(bucket, target_files)
+    else:  # target files made since the first publish (`--export-layers` on a rerun) or changed in size
+        import obstore
+
+        sizes = {meta["path"]: meta["size"] for batch in obstore.list(bucket, cf.TARGET_DIR + "/") for meta in batch}
+        _upload_files(bucket, [(p, key) for p, key in target_files if sizes.get(key) != p.stat().st_size])
     counts = {"published": 0, "already": 0, "bytes": 0}
     for key, entry in sorted(local["shards"].items(), key=lambda item: int(item[0])):
         store = cf.shard_path(staging, int(key))

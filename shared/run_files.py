@@ -6,11 +6,14 @@
       train_options.json           the options the run was started with (cache path, split fraction, seed, ...)
       draft_config.json            the drafter's config (sizes, layers, mask token)
       cache_manifest.json          the manifest of the cache it trains from (what the export records)
+      target_init.json             with --init-from-target: the target tensors copied into the drafter (and the
+                                   skipped ones); every export carries a copy
       metrics.jsonl                one line per step and per evaluation
       training.png, tensorboard/   plots
       checkpoints/step-NNNNNNNN/   Accelerate state + data position; `complete` marks a fully written one
       export/                      the final drafter (EXPORT: config.json, model.safetensors, dflash_target.json)
-      export_best/                 the drafter of the best held-out evaluation, with best.json (its step and tau)
+      export_best/                 the drafter of the best validation evaluation, with best.json (its step and tau)
+      test_results.json            that drafter on the whole test split, evaluated once at the end of training
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from pathlib import Path
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TARGET_INFO_FILE = "dflash_target.json"  # the target (and run) the drafter was trained for
-BEST_RECORD_FILE = "best.json"  # in export_best/: the step and held-out tau of that evaluation
+BEST_RECORD_FILE = "best.json"  # in export_best/: the step and validation tau of that evaluation
+TARGET_INIT_FILE = "target_init.json"  # in a run and its exports: what --init-from-target copied
 CHECKPOINT_COMPLETE_FILE = "complete"  # in a checkpoint folder: written last
 
 
@@ -40,8 +44,8 @@ class RunFiles:
 
     def results(self) -> list[Path]:
         """What a run produced (the logs aside): what `dflash train --overwrite` discards."""
-        return [self.options, self.draft_config, self.cache_manifest, self.metrics, self.plot, self.tensorboard,
-                self.checkpoints, self.export, self.export_best]
+        return [self.options, self.draft_config, self.cache_manifest, self.target_init, self.metrics, self.plot,
+                self.tensorboard, self.checkpoints, self.export, self.export_best, self.test_results]
 
     def entries(self) -> list[str]:
         """Every name a run directory may hold (anything else: the folder is not a run; train will not write
@@ -68,6 +72,10 @@ class RunFiles:
         return self.root / "cache_manifest.json"
 
     @property
+    def target_init(self) -> Path:
+        return self.root / TARGET_INIT_FILE
+
+    @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 
@@ -90,6 +98,10 @@ class RunFiles:
     @property
     def export_best(self) -> Path:
         return self.root / "export_best"
+
+    @property
+    def test_results(self) -> Path:
+        return self.root / "test_results.json"
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step-{step:08d}"

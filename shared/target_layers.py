@@ -42,6 +42,70 @@ def validate_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> list
     return sorted(layer_ids)
 
 
+# The tensors of one Qwen3-style decoder layer, named as in transformers checkpoints and in the DFlash drafter
+# (`layers.{i}.` + these): what `dflash extract --export-layers` copies of a target layer, and what
+# `dflash train --init-from-target` can copy into a drafter layer.
+DECODER_LAYER_TENSORS = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+)
+
+
+def select_layers(spec: str, num_layers: int, count: int, flag: str) -> list[int]:
+    """Target layers named by `spec`: `last` / `first` (the last / first `count` layers), `last:N` / `first:N`,
+    `all`, or comma-separated 0-based ids (kept in the order given). `flag` names the option in errors."""
+    text = spec.strip().lower()
+    name, _, number = text.partition(":")
+    if name in ("last", "first", "all") and (name != "all" or not number):
+        try:
+            n = int(number) if number else (num_layers if name == "all" else count)
+        except ValueError:
+            n = -1
+        if not 1 <= n <= num_layers:
+            raise UserError(f"{flag} {spec}: {name} needs between 1 and {num_layers} layers (the target's count)")
+        return list(range(num_layers - n, num_layers)) if name == "last" else list(range(n))
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        ids = []
+    if not ids:
+        raise UserError(f"{flag} {spec}: give last, first, last:N, first:N, all, or layer ids such as 25,27,29")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise UserError(f"{flag} {spec}: layers {bad} do not exist: the target has layers 0..{num_layers - 1}")
+    if len(set(ids)) != len(ids):
+        raise UserError(f"{flag} {spec}: a layer is named twice")
+    return ids
+
+
+def norm_weight_offset(model: Any) -> float | None:
+    """What the target's RMSNorms add to their weight: 0.0 for `weight * x_normed` (Llama, Qwen3, ...), 1.0 for
+    the zero-centred `(1 + weight) * x_normed` (Gemma, Qwen3-Next, ...), None for anything else. Measured on a
+    copy of the decoder's final norm with a zero weight (works on a model built on the meta device)."""
+    import copy
+
+    import torch
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    norm = getattr(decoder, "norm", None)
+    weight = getattr(norm, "weight", None)
+    if norm is None or weight is None or weight.dim() != 1:
+        return None
+    with torch.device("cpu"), torch.no_grad():  # also when called inside a `torch.device("meta")` block
+        probe = copy.deepcopy(norm).to_empty(device="cpu").float()
+        for parameter in probe.parameters():
+            parameter.zero_()
+        x = torch.linspace(-2.0, 3.0, weight.shape[0])[None]
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        out = probe(x)
+    for offset in (0.0, 1.0):
+        if torch.allclose(out, normed * offset, atol=1e-3):
+            return offset
+    return None
+
+
 def decoder_layers(model: Any) -> torch.nn.ModuleList:
     """The decoder layer list of a transformers causal LM (or of its decoder)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)

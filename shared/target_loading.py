@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dflash.shared import embedded
 from dflash.shared.errors import UserError
@@ -215,18 +215,25 @@ def load_target_model(load_path: str, device: str, dtype: Any = None) -> Any:
     return model.to(device).eval().requires_grad_(False)
 
 
-def inspect_target(load_path: str) -> float:
-    """Refuse a target dflash cannot draft for, with the reason, before any work; else return its embedding scale.
+class TargetTraits(NamedTuple):
+    """What `inspect_target` reads off the target's modules."""
+
+    embed_scale: float  # the factor its input embedding multiplies the rows by (Gemma: sqrt(hidden); else 1.0)
+    norm_weight_offset: float | None  # what its RMSNorms add to their weight (`target_layers.norm_weight_offset`)
+
+
+def inspect_target(load_path: str) -> TargetTraits:
+    """Refuse a target dflash cannot draft for, with the reason, before any work; else return its traits.
 
     Builds the model transformers makes for the config on the meta device (no weights loaded): the model type needs
-    a causal LM class (`AutoModelForCausalLM`), its decoder layers must be found (`decoder_layers`), and the factor
-    its input embedding module multiplies the rows by (Gemma: sqrt(hidden); 1.0 for most families) is returned.
+    a causal LM class (`AutoModelForCausalLM`), its decoder layers must be found (`decoder_layers`); the embedding
+    scale and the norm convention are read off its modules.
     """
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.shared.target_layers import decoder_layers, embedding_scale
+    from dflash.shared.target_layers import decoder_layers, embedding_scale, norm_weight_offset
 
     folder = local_model_files(load_path)
     try:
@@ -246,7 +253,7 @@ def inspect_target(load_path: str) -> float:
     if len(layers) != expected:
         raise ModelLoadError(f"{load_path}: `get_decoder().layers` of {type(model).__name__} holds {len(layers)} "
                              f"layers, the config says {expected}; dflash cannot tell which layer is which")
-    return embedding_scale(model)
+    return TargetTraits(embedding_scale(model), norm_weight_offset(model))
 
 
 def stop_token_ids(load_path: str, tokenizer: Any) -> list[int]:

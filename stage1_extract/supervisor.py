@@ -28,7 +28,7 @@ from dflash.shared.interrupts import interrupt_signal, raise_interrupt
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.output_dirs import refuse_foreign_folder
 from dflash.shared.processes import stop_processes
-from dflash.shared.target_layers import default_layer_ids, validate_layer_ids
+from dflash.shared.target_layers import default_layer_ids, select_layers, validate_layer_ids
 from dflash.shared.target_loading import (
     ResolvedTarget,
     inspect_target,
@@ -39,7 +39,7 @@ from dflash.shared.target_loading import (
     target_content_hash,
 )
 from dflash.stage1_extract.conversations import LoadedConversations, load_conversations, template_fingerprint
-from dflash.stage1_extract.target_export import export_target_files
+from dflash.stage1_extract.target_export import export_decoder_layers, export_target_files
 from dflash.stage1_extract.worker import ShardTask, WorkerConfig, worker_main
 
 log = get_logger(__name__)
@@ -69,6 +69,7 @@ class ExtractOptions:
     batch_tokens: int | None = None
     feature_dtype: str = FEATURE_DTYPES[0]  # the CLI default (docs/benchmarks.md "fp8 features")
     store_target_topk: int | None = None  # K: store the target's top-k next-token distribution (None: do not)
+    export_layers: str | None = None  # decoder layers copied into target/ for `dflash train --init-from-target`
     overwrite: bool = False
     redo: bool = False  # --repair: redo the selected shards even if complete; never discard the cache
     verbose: bool = False
@@ -82,7 +83,7 @@ class ExtractOptions:
         return {"model": local(self.model), "data": local(self.data), "column": self.column, "split": self.split,
                 "max_samples": self.max_samples, "max_length": self.max_length, "overlength": self.overlength,
                 "target_layers": layer_ids, "feature_dtype": self.feature_dtype, "batch_tokens": self.batch_tokens,
-                "store_target_topk": self.store_target_topk}
+                "store_target_topk": self.store_target_topk, "export_layers": self.export_layers}
 
 
 def confirm_overwrite(out: Path, yes: bool) -> None:
@@ -195,7 +196,7 @@ class Supervisor:
         folder = local_model_files(target.load_path)
         import json
 
-        embed_scale = inspect_target(target.load_path)  # refuses a target dflash cannot work with, before any work
+        traits = inspect_target(target.load_path)  # refuses a target dflash cannot work with, before any work
         config = json.loads((folder / "config.json").read_text())
         config = config.get("text_config", config)
         num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
@@ -205,6 +206,8 @@ class Supervisor:
             layer_ids = validate_layer_ids(list(opts.target_layers), num_layers)
         else:
             layer_ids = validate_layer_ids(default_layer_ids(num_layers, opts.draft_layers), num_layers)
+        exported = (select_layers(opts.export_layers, num_layers, len(layer_ids), "--export-layers")
+                    if opts.export_layers else [])
         tokenizer = load_tokenizer(target.load_path)
         log.info("target %s: %d layers, hidden %d; capturing layers %s", target.display_name, num_layers, hidden,
                  layer_ids)
@@ -233,7 +236,13 @@ class Supervisor:
         manifest = self._open_manifest(identity, data, target, num_layers, existing)
         stops = stop_token_ids(target.load_path, tokenizer)
         if not (self.cache_dir / cf.TARGET_DIR / cf.EMBEDDINGS_FILE).is_file():
-            export_target_files(folder, tokenizer, self.cache_dir / cf.TARGET_DIR, stops, embed_scale=embed_scale)
+            export_target_files(folder, tokenizer, self.cache_dir / cf.TARGET_DIR, stops,
+                                embed_scale=traits.embed_scale)
+        if exported:
+            written = export_decoder_layers(folder, exported, self.cache_dir / cf.TARGET_DIR, traits.norm_weight_offset)
+            log.info("--export-layers: target decoder layers %s and the final norm %s %s/%s", exported,
+                     f"written ({written / 1e6:.1f} MB)" if written else "already in", cf.TARGET_DIR,
+                     cf.DECODER_LAYERS_FILE)
         return manifest, data, target, stops
 
     def _existing_manifest(self) -> dict[str, Any] | None:

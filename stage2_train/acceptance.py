@@ -164,6 +164,22 @@ def walk_acceptance(accept_at: Mapping[int, int] | Tensor | Sequence[int], start
     return steps
 
 
+def tau_standard_error(tokens: Sequence[int], steps: Sequence[int]) -> float:
+    """The standard error of tau = sum(tokens) / sum(steps) over independent units (held-out sequences, or eval
+    prompts), unit i having emitted tokens[i] tokens in steps[i] speculative steps: the ratio estimator's
+    linearised (delta-method, cluster-robust) error sqrt(n / (n - 1) * sum_i (tokens_i - tau * steps_i)^2) /
+    sum_i steps_i over the n units with a step. With equal step counts it is the standard error of the mean of the
+    per-unit taus. NaN with fewer than 2 such units."""
+    pairs = [(float(t), float(s)) for t, s in zip(tokens, steps, strict=True) if s > 0]
+    n = len(pairs)
+    if n < 2:
+        return math.nan
+    total_steps = sum(s for _, s in pairs)
+    tau = sum(t for t, _ in pairs) / total_steps
+    residuals = sum((t - tau * s) ** 2 for t, s in pairs)
+    return math.sqrt(n / (n - 1) * residuals) / total_steps
+
+
 def _run_ends(loss_mask: np.ndarray) -> np.ndarray:
     """[S + 1] int: for each position i, the first position >= i whose loss_mask is 0 (S if none)."""
     seq_len = loss_mask.shape[0]
@@ -199,10 +215,10 @@ def offline_acceptance(
     Random anchors: up to ``max_random_anchors`` training-valid anchors (loss_mask[p] and loss_mask[p + 1], any
     turn), each counted as min(a(p), run_end - 2 - p) + 1 (cut at the end of its response, like the walk).
 
-    Returns {"tau_walk": mean of (a + 1) over all walk steps of all sequences, "tau_random_anchors": mean of
-    (a + 1) over all random anchors, "acceptance_by_position": [Bk - 1] fraction of walk steps with a >= k for
-    k = 1..Bk-1, "steps", "sequences" (walked), "random_anchors" (count), "tokens" (sum of a + 1)}.
-    Means over nothing are NaN.
+    Returns {"tau_walk": mean of (a + 1) over all walk steps of all sequences, "tau_walk_stderr": its standard
+    error over sequences (`tau_standard_error`), "tau_random_anchors": mean of (a + 1) over all random anchors,
+    "acceptance_by_position": [Bk - 1] fraction of walk steps with a >= k for k = 1..Bk-1, "steps", "sequences"
+    (walked), "random_anchors" (count), "tokens" (sum of a + 1)}. Means over nothing are NaN.
     """
     if first_anchor not in ("response", "prompt_end"):
         raise ValueError(f"first_anchor must be 'response' or 'prompt_end', got {first_anchor!r}")
@@ -213,6 +229,7 @@ def offline_acceptance(
         raise ValueError("mask_token_id is needed (not given and not in the model config)")
     generator = torch.Generator().manual_seed(seed)
     walk_steps: list[int] = []
+    per_sequence: list[tuple[int, int]] = []  # (tokens, steps) of each walked sequence
     random_counts: list[int] = []
     walked = 0
     was_training = model.training
@@ -245,7 +262,9 @@ def offline_acceptance(
                     int(mask_token_id), chunk,
                 )
             if start >= 0:
-                walk_steps += walk_acceptance(accept_at, start, end)
+                steps = walk_acceptance(accept_at, start, end)
+                walk_steps += steps
+                per_sequence.append((sum(a + 1 for a in steps), len(steps)))
                 walked += 1
             for p in random_anchors.tolist():
                 random_counts.append(min(int(accept_at[p]), int(run_ends[p + 1]) - 2 - p) + 1)
@@ -257,6 +276,7 @@ def offline_acceptance(
 
     return {
         "tau_walk": mean([a + 1 for a in walk_steps]),
+        "tau_walk_stderr": tau_standard_error([t for t, _ in per_sequence], [s for _, s in per_sequence]),
         "tau_random_anchors": mean(random_counts),
         "acceptance_by_position": [mean([float(a >= k) for a in walk_steps]) for k in range(1, block_size)],
         "steps": len(walk_steps),

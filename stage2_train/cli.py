@@ -57,12 +57,20 @@ from dflash.stage2_train.options import TrainOptions
 @click.option("--max-anchors", type=click.IntRange(min=1), default=TrainOptions.max_anchors, show_default=True,
               help="Cap on the anchors per sequence and epoch (the reference draws 512 in 3,072-token sequences).")
 @click.option("--gamma", type=float, default=None, help="Loss decay over block positions (default 7 for B=16).")
-@click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=0.05, show_default=True,
-              help="Fraction of the cache's samples held out for evaluation (never trained on).")
+@click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=TrainOptions.eval_fraction,
+              show_default=True,
+              help="Fraction of the cache's samples in the validation split (never trained on): evaluated every "
+                   "--eval-every steps; its best evaluation picks export_best/.")
+@click.option("--test-fraction", type=click.FloatRange(0, 0.5), default=TrainOptions.test_fraction,
+              show_default=True,
+              help="Fraction in the test split, disjoint from validation and training: the drafter in export_best/ "
+                   "is evaluated on all of it once, at the end (RUN/test_results.json); `dflash eval --data "
+                   "heldout` takes its prompts from it.")
 @click.option("--eval-every", type=click.IntRange(min=0), default=200, show_default=True,
-              help="Evaluate on the held-out split every N steps (0 = only at the end).")
-@click.option("--eval-sequences", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Held-out sequences per evaluation.")
+              help="Evaluate on the validation split every N steps (0 = only at the end).")
+@click.option("--eval-sequences", type=click.IntRange(min=1), default=None,
+              help="Validation sequences per evaluation (the same ones each time). Default: the whole split; cap it "
+                   "on large caches, where each evaluation walks every sequence.")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=500, show_default=True,
               help="Save a resumable checkpoint every N steps (0 = only at the end).")
 @click.option("--keep-checkpoints", type=click.IntRange(min=0), default=3, show_default=True,
@@ -74,6 +82,11 @@ from dflash.stage2_train.options import TrainOptions
 @click.option("--init-from", type=click.Path(path_type=Path), default=None, metavar="EXPORT_DIR",
               help="Start from the weights of an exported drafter of the same shape and target (a new optimizer and "
                    "schedule): train on across sessions, or fine-tune on other data.")
+@click.option("--init-from-target", default=None, is_flag=False, flag_value="last", metavar="last|first|I,J,...",
+              help="Start each drafter layer from a target decoder layer (attention, MLP and norm weights where the "
+                   "shapes match) and the final norm from the target's: last (the default when given alone) = the "
+                   "last --draft-layers target layers, first, or one target layer id per drafter layer. Needs a "
+                   "cache extracted with --export-layers naming them. Which choice trains best is to be measured.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed of the split, the shuffles, the anchors and the initial weights.")
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa", "eager"]), default="auto", show_default=True,
@@ -98,9 +111,10 @@ def train_command(processes: int | None, compile_: bool, **kwargs: object) -> No
     """Stage 2: train a DFlash drafter from a feature cache, measure its offline acceptance, export it.
 
     The target model is never loaded: the cache's target/ folder supplies the frozen embedding and LM head.
-    Every --eval-every steps the held-out split reports loss, per-position accuracy and the offline acceptance
-    length tau (a greedy decoding walk over cached features). The export lands in OUT/export/; the drafter of
-    the best held-out evaluation after step 0 in OUT/export_best/ (with best.json: its step and tau).
+    Every --eval-every steps the validation split reports the offline acceptance length tau (a greedy decoding
+    walk over cached features). The export lands in OUT/export/; the drafter of the best validation evaluation
+    after step 0 in OUT/export_best/ (with best.json: its step and tau), which is then evaluated once on the test
+    split (OUT/test_results.json).
     """
     from dflash.shared.interrupts import exit_on_interrupt, rerun_command
 
@@ -168,13 +182,13 @@ def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> 
 @click.option("--draft", "draft_dir", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="Exported drafter folder (RUN/export).")
 @click.option("--data", default="mtbench,humaneval", show_default=True,
-              help="humaneval, mtbench, heldout (the training run's held-out cache split, also walked offline), "
+              help="humaneval, mtbench, heldout (the training run's test split of its cache, also walked offline), "
                    "a JSONL/JSON file of conversations, or a comma-separated list of these.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("dflash_eval"), show_default=True,
               help="Where eval.json, eval.md and eval.png go.")
 @click.option("--max-samples", type=click.IntRange(min=1), default=20, show_default=True,
               help="Prompts per dataset.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens generated per prompt (by each decoding method).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="0 = greedy (checked against plain greedy decoding on every prompt); > 0 = rejection sampling.")

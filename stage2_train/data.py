@@ -5,8 +5,10 @@ the rank, or where a run was resumed:
 
 * `CacheIndex.from_cache` reads the manifest and, for every finished shard, only the small arrays (offsets,
   loss_mask, sample_index): one `Sample(shard, row, length, n_anchor_candidates)` per sample. Samples without a
-  single anchor candidate are dropped (and counted). A deterministic hash of (seed, sample_index) puts about
-  `eval_fraction` of the samples into the held-out set.
+  single anchor candidate are dropped (and counted). A deterministic hash of (seed, sample_index) in [0, 1) splits
+  the samples: below `eval_fraction` the validation split (periodic evaluation, checkpoint selection), the next
+  `test_fraction` the test split (reported once, at the end), the rest training. A run made before the test split
+  existed (test_fraction 0) keeps its split: its held-out samples are the same validation split.
 * `plan_epoch` shuffles the training samples per (seed, epoch), sorts by length inside windows of
   `sort_window` (default 64) shuffled samples (less padding, still random), groups them greedily into
   micro-batches of at most `batch_tokens` padded tokens, shuffles the micro-batch order and truncates to a
@@ -17,7 +19,7 @@ the rank, or where a run was resumed:
   lazily inside each DataLoader worker; worker w of k yields plan positions start + w, start + w + k, ..., which
   PyTorch's in-order round-robin merge turns back into exact plan order. Anchors are drawn with an RNG seeded by
   (seed, epoch, shard, row): the same in every worker layout, rank count, and after a resume.
-* `EvalSet` / `eval_sequences` read held-out samples one at a time; `block_labels` builds the per-block labels and
+* `EvalSet` / `eval_sequences` read validation or test samples one at a time; `block_labels` builds the per-block labels and
   block inputs of the DFlash objective (the reference's, z-lab/dflash).
 """
 
@@ -170,7 +172,7 @@ class CacheIndex:
     """Every usable sample of the finished shards of a cache, split into train and eval. No features are read.
 
     Arrays (one entry per kept sample, in (shard, row) order): `shards`, `rows`, `lengths`, `candidates`,
-    `sample_index`, `is_eval`, `split_key` (the split hash in [0, 1)).
+    `sample_index`, `is_eval` (validation split), `is_test` (test split), `split_key` (the split hash in [0, 1)).
     """
 
     cache_dir: Path
@@ -187,16 +189,21 @@ class CacheIndex:
     sample_index: np.ndarray
     split_key: np.ndarray
     is_eval: np.ndarray
+    is_test: np.ndarray
     dropped_no_anchor: int
     dropped_tokens: int
+    test_fraction: float = 0.0
     _train: list[Sample] | None = field(default=None, repr=False)
     _eval: list[Sample] | None = field(default=None, repr=False)
+    _test: list[Sample] | None = field(default=None, repr=False)
 
     @classmethod
-    def from_cache(cls, cache_dir: Path | str, eval_fraction: float = 0.05, seed: int = 0) -> CacheIndex:
+    def from_cache(cls, cache_dir: Path | str, eval_fraction: float = 0.05, seed: int = 0,
+                   test_fraction: float = 0.0) -> CacheIndex:
         cache_dir = Path(cache_dir).resolve()
-        if not 0.0 <= eval_fraction <= 1.0:
-            raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
+        if not (0.0 <= eval_fraction and 0.0 <= test_fraction and eval_fraction + test_fraction <= 1.0):
+            raise ValueError(f"eval_fraction {eval_fraction} and test_fraction {test_fraction} must be >= 0 with a "
+                             "sum <= 1")
         manifest = cf.read_manifest(cache_dir)
         identity = manifest["identity"]
         feature_dim = int(identity["hidden_size"]) * len(identity["layer_ids"])
@@ -231,11 +238,13 @@ class CacheIndex:
         if dropped:
             log.info("%s: dropped %d sample(s) (%d tokens) without an anchor position", cache_dir, dropped,
                      dropped_tokens)
+        is_eval = split_key < eval_fraction
+        is_test = ~is_eval & (split_key < eval_fraction + test_fraction)
         return cls(cache_dir=cache_dir, manifest=manifest, feature_dim=feature_dim, eval_fraction=float(eval_fraction),
                    seed=int(seed), done_shards=done, unfinished_shards=unfinished, shards=joined["shards"],
                    rows=joined["rows"], lengths=joined["lengths"], candidates=joined["candidates"],
-                   sample_index=joined["index"], split_key=split_key, is_eval=split_key < eval_fraction,
-                   dropped_no_anchor=dropped, dropped_tokens=dropped_tokens)
+                   sample_index=joined["index"], split_key=split_key, is_eval=is_eval, is_test=is_test,
+                   dropped_no_anchor=dropped, dropped_tokens=dropped_tokens, test_fraction=float(test_fraction))
 
     @property
     def codec(self) -> FeatureCodec:
@@ -247,22 +256,42 @@ class CacheIndex:
             self.shards[positions], self.rows[positions], self.lengths[positions], self.candidates[positions])]
 
     @property
+    def is_train(self) -> np.ndarray:
+        return ~(self.is_eval | self.is_test)
+
+    @property
     def train(self) -> list[Sample]:
         """Training samples in (shard, row) order."""
         if self._train is None:
-            self._train = self._samples(np.flatnonzero(~self.is_eval))
+            self._train = self._samples(np.flatnonzero(self.is_train))
         return self._train
+
+    def _in_hash_order(self, mask: np.ndarray) -> list[Sample]:
+        positions = np.flatnonzero(mask)
+        return self._samples(positions[np.argsort(self.split_key[positions], kind="stable")])
 
     @property
     def eval(self) -> list[Sample]:
-        """Held-out samples in split-hash order: any prefix is a uniform random subset of the eval set."""
+        """Validation samples in split-hash order: any prefix is a uniform random subset of the split."""
         if self._eval is None:
-            positions = np.flatnonzero(self.is_eval)
-            self._eval = self._samples(positions[np.argsort(self.split_key[positions], kind="stable")])
+            self._eval = self._in_hash_order(self.is_eval)
         return self._eval
 
+    @property
+    def test(self) -> list[Sample]:
+        """Test samples in split-hash order."""
+        if self._test is None:
+            self._test = self._in_hash_order(self.is_test)
+        return self._test
+
+    def split(self, name: str) -> list[Sample]:
+        """The samples of split `name`: "validation" or "test"."""
+        if name not in ("validation", "test"):
+            raise ValueError(f"split must be 'validation' or 'test', got {name!r}")
+        return self.eval if name == "validation" else self.test
+
     def summary(self) -> dict[str, Any]:
-        train = ~self.is_eval
+        train = self.is_train
         return {
             "shards_used": len(self.done_shards),
             "shards_unfinished": list(self.unfinished_shards),
@@ -270,6 +299,8 @@ class CacheIndex:
             "train_tokens": int(self.lengths[train].sum()),
             "eval_samples": int(self.is_eval.sum()),
             "eval_tokens": int(self.lengths[self.is_eval].sum()),
+            "test_samples": int(self.is_test.sum()),
+            "test_tokens": int(self.lengths[self.is_test].sum()),
             "dropped_no_anchor": self.dropped_no_anchor,
             "dropped_tokens": self.dropped_tokens,
             "feature_dim": self.feature_dim,
@@ -336,7 +367,7 @@ def plan_epoch(index: CacheIndex, epoch: int, seed: int, batch_tokens: int, worl
     samples = index.train
     rng = np.random.default_rng([_check_seed(seed), int(epoch), _PLAN_STREAM])
     order = rng.permutation(len(samples))
-    train = ~index.is_eval
+    train = index.is_train
     lengths, candidates = index.lengths[train], index.candidates[train]
     costs = rule.cost(lengths, candidates) if rule is not None else lengths.astype(np.int64)
     batches: list[list[Sample]] = []
@@ -735,11 +766,12 @@ def make_loader(dataset: CacheBatches, num_workers: int, *, prefetch_factor: int
 
 
 class EvalSet:
-    """The held-out samples of an index, readable one by one (in split-hash order, see `CacheIndex.eval`)."""
+    """The validation (or test) samples of an index, readable one by one (in split-hash order, see
+    `CacheIndex.eval`)."""
 
-    def __init__(self, index: CacheIndex) -> None:
+    def __init__(self, index: CacheIndex, split: str = "validation") -> None:
         self.cache_dir = index.cache_dir
-        self.samples = index.eval
+        self.samples = index.split(split)
         self.codec = index.codec
         self._stores: dict[int, _Store] = {}
 
@@ -778,9 +810,11 @@ class EvalSet:
             yield self[i]
 
 
-def eval_sequences(index: CacheIndex, limit: int | None = None) -> Iterator[dict[str, Any]]:
-    """The first `limit` (all when None) held-out samples, one dict at a time (see `EvalSet.__getitem__`)."""
-    eval_set = EvalSet(index)
+def eval_sequences(index: CacheIndex, limit: int | None = None, split: str = "validation",
+                   ) -> Iterator[dict[str, Any]]:
+    """The first `limit` (all when None) samples of the validation (or test) split, one dict at a time (see
+    `EvalSet.__getitem__`)."""
+    eval_set = EvalSet(index, split)
     count = len(eval_set) if limit is None else min(int(limit), len(eval_set))
     for i in range(count):
         yield eval_set[i]

@@ -14,10 +14,14 @@ tokens/s of the three methods and the speedups over plain decoding. Written to O
 Datasets: ``humaneval`` (164 HumanEval prompts, the prompt as the user message), ``mtbench`` (first turn of the 80
 MT-Bench questions), or a JSONL/JSON file whose records hold ``messages`` / ``conversations`` (role/content or
 ShareGPT from/value; the conversation up to the first assistant turn is the prompt) or a ``prompt`` string.
-``heldout`` takes the held-out split of the training cache of the run the drafter was exported from (the cached
-prompt tokens up to the first response); for it the report adds the offline acceptance length of the same
-sequences over the same number of tokens (`datasets.heldout.offline`), so live and offline tau can be compared.
-Several may be given, comma-separated.
+``heldout`` takes the test split of the training cache of the run the drafter was exported from (never trained on
+nor used to choose a checkpoint; runs made before the test split existed have only their validation split, which
+is then used and named in the report) - the cached prompt tokens up to the first response; for it the report adds
+the offline acceptance length of the same sequences over the same number of tokens (`datasets.heldout.offline`),
+so live and offline tau can be compared. Several may be given, comma-separated.
+
+Noise: tau is pooled over all speculative steps of a dataset; its standard error over prompts (`tau_stderr`, the
+ratio estimator's, `acceptance.tau_standard_error`) and a 95 % interval (`tau_ci95`, +- 1.96 s.e.) come with it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dflash.shared.errors import UserError
 from dflash.shared.logs import get_logger
 from dflash.shared.run_files import TARGET_INFO_FILE, run_of_export
 from dflash.shared.target_layers import embedding_scale
+from dflash.stage2_train.acceptance import offline_acceptance, tau_standard_error
 from dflash.stage2_train.export import load_draft, read_target_info
 from dflash.stage2_train.target_parts import scaled_embedding
 from dflash.stage2_train.speculative import (
@@ -131,9 +136,10 @@ def dataset_names(data: str) -> list[str]:
     return names
 
 
-def heldout_prompts(draft_dir: Path, max_samples: int, max_new_tokens: int) -> list[Prompt]:
-    """Held-out samples of the run that exported `draft_dir`: cached prompt ids, and the cached sample cut to the
-    prompt plus `max_new_tokens` response positions (what the live run generates)."""
+def heldout_prompts(draft_dir: Path, max_samples: int, max_new_tokens: int) -> tuple[list[Prompt], str]:
+    """Test-split samples of the run that exported `draft_dir` (its validation split if it has no test split):
+    cached prompt ids, and the cached sample cut to the prompt plus `max_new_tokens` response positions (what the
+    live run generates); and the name of the split."""
     from dflash.stage2_train.data import CacheIndex, eval_sequences
 
     run = run_of_export(draft_dir)
@@ -144,16 +150,19 @@ def heldout_prompts(draft_dir: Path, max_samples: int, max_new_tokens: int) -> l
     cache = Path(options["cache"])
     if not cache.is_dir():
         raise UserError(f"--data {HELDOUT}: the run's cache {cache} is gone")
-    index = CacheIndex.from_cache(cache, float(options["eval_fraction"]), int(options["seed"]))
+    test_fraction = float(options.get("test_fraction", 0.0))  # absent: a run made before the test split existed
+    index = CacheIndex.from_cache(cache, float(options["eval_fraction"]), int(options["seed"]), test_fraction)
+    split = "test" if test_fraction else "validation"
     prompts = []
-    for sample in eval_sequences(index, max_samples):
+    for sample in eval_sequences(index, max_samples, split):
         first = int(sample["loss_mask"].nonzero()[0, 0])
         end = first + max_new_tokens
         cut = {key: sample[key][:end] for key in ("features", "input_ids", "loss_mask")}
         prompts.append(Prompt(str(sample["sample_id"]), [], sample["input_ids"][:first].tolist(), cut))
     if not prompts:
-        raise UserError(f"--data {HELDOUT}: the run holds out no samples (it was trained with --eval-fraction 0)")
-    return prompts
+        raise UserError(f"--data {HELDOUT}: the run's {split} split is empty (it was trained with "
+                        f"--{'test' if split == 'test' else 'eval'}-fraction 0)")
+    return prompts, split
 
 
 def load_prompts(name: str, max_samples: int) -> list[Prompt]:
@@ -317,14 +326,12 @@ def compare_greedy(target: Any, prompt: Prompt, prompt_ids: list[int], reference
 
 def _offline_walk(draft: Any, embed: torch.Tensor, head: torch.Tensor, prompts: list[Prompt]) -> dict[str, Any]:
     """Training's offline acceptance walk over the same cached sequences (features of the cache, not live ones)."""
-    from dflash.stage2_train.acceptance import offline_acceptance
-
     dtype = next(draft.parameters()).dtype
     sequences = [{**p.cached, "features": p.cached["features"].to(dtype)} for p in prompts if p.cached is not None]
     with torch.no_grad():
         result = offline_acceptance(draft, embed.to(dtype), head.to(dtype), sequences, max_random_anchors=0)
-    return {"tau_walk": result["tau_walk"], "steps": result["steps"], "sequences": result["sequences"],
-            "acceptance_by_position": result["acceptance_by_position"]}
+    return {"tau_walk": result["tau_walk"], "tau_walk_stderr": result["tau_walk_stderr"], "steps": result["steps"],
+            "sequences": result["sequences"], "acceptance_by_position": result["acceptance_by_position"]}
 
 
 def training_acceptance(draft_dir: Path) -> dict[str, Any] | None:
@@ -344,9 +351,12 @@ def training_acceptance(draft_dir: Path) -> dict[str, Any] | None:
     if not evals:
         return None
     untrained = next((r for r in evals if r["step"] == 0), None)
+    test = json.loads(run.test_results.read_text()) if run is not None and run.test_results.is_file() else None
     return {"untrained_tau_walk": untrained["eval/tau_walk"] if untrained else None,
             "trained_tau_walk": evals[-1]["eval/tau_walk"], "trained_step": evals[-1]["step"],
-            "metrics": str(path)}
+            "metrics": str(path),
+            "test": {key: test.get(key) for key in ("drafter", "step", "sequences", "tau_walk", "tau_walk_stderr")}
+            if test else None}
 
 
 def _rate(results: Sequence[SpecResult]) -> float:
@@ -360,13 +370,18 @@ def _summarise(name: str, samples: list[dict[str, Any]], runs: dict[str, list[Sp
     rates = {method: _rate(results) for method, results in runs.items()}
     plain = rates["plain"]
     taus = [r.tau for r in runs["dflash"] if r.accepted]
+    tau = (sum(a + 1 for a in accepted) / len(accepted)) if accepted else math.nan
+    stderr = tau_standard_error([sum(a + 1 for a in r.accepted) for r in runs["dflash"]],
+                                [len(r.accepted) for r in runs["dflash"]])
     pld_forwards = sum(r.target_forwards or 0 for r in runs["prompt_lookup"])
     pld_tokens = sum(len(r.tokens) for r in runs["prompt_lookup"])
     return {
         "dataset": name,
         "prompts": len(samples),
         "steps": len(accepted),
-        "tau": (sum(a + 1 for a in accepted) / len(accepted)) if accepted else math.nan,
+        "tau": tau,
+        "tau_stderr": stderr,
+        "tau_ci95": [tau - 1.96 * stderr, tau + 1.96 * stderr],
         "tau_mean_over_prompts": sum(taus) / len(taus) if taus else math.nan,
         "acceptance_by_position": acceptance_by_position(accepted, block_size),
         "new_tokens": {method: sum(len(r.tokens) for r in results) for method, results in runs.items()},
@@ -400,14 +415,15 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         f"{report['torch_threads']} CPU threads)",
         f"- temperature {report['temperature']}, max new tokens {report['max_new_tokens']}",
         "",
-        "| dataset | prompts | steps | tau | dflash tok/s | plain tok/s | prompt lookup tok/s | dflash speedup "
-        "| prompt lookup speedup | greedy identical | ties |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| dataset | prompts | steps | tau | tau s.e. | dflash tok/s | plain tok/s | prompt lookup tok/s "
+        "| dflash speedup | prompt lookup speedup | greedy identical | ties |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, d in report["datasets"].items():
         tps = d["tokens_per_second"]
         lines.append(
-            f"| {name} | {d['prompts']} | {d['steps']} | {_fmt(d['tau'], 3)} | {_fmt(tps['dflash'])} | "
+            f"| {name} | {d['prompts']} | {d['steps']} | {_fmt(d['tau'], 3)} | {_fmt(d['tau_stderr'], 3)} | "
+            f"{_fmt(tps['dflash'])} | "
             f"{_fmt(tps['plain'])} | {_fmt(tps['prompt_lookup'])} | {_fmt(d['speedup']['dflash'])}x | "
             f"{_fmt(d['speedup']['prompt_lookup'])}x | {_fmt(d['greedy_identical'])} | {_fmt(d['tie_divergences'])} |")
     block = report["block_size"]
@@ -421,18 +437,24 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
                          + " | ".join(_fmt(p) for p in d["offline"]["acceptance_by_position"]) + " |")
     for name, d in report["datasets"].items():
         if "offline" in d:
-            lines += ["", f"{name}: live tau {_fmt(d['tau'], 3)} vs offline walk tau "
-                      f"{_fmt(d['offline']['tau_walk'], 3)} on the same {d['prompts']} cached sequences "
+            lines += ["", f"{name} ({d['split']} split of the training run): live tau {_fmt(d['tau'], 3)} vs "
+                      f"offline walk tau {_fmt(d['offline']['tau_walk'], 3)} on the same {d['prompts']} cached sequences "
                       f"({d['offline']['steps']} offline steps). The offline walk compares drafts with the cached "
                       "response; live decoding with the target's own greedy continuation."]
     training = report.get("training")
     if training:
         untrained = training["untrained_tau_walk"]
-        lines += ["", f"Training run (held-out split, offline walk): tau {_fmt(training['trained_tau_walk'], 3)} after "
+        lines += ["", f"Training run (validation split, offline walk): tau {_fmt(training['trained_tau_walk'], 3)} after "
                   f"{training['trained_step']} steps"
                   + (f" vs {_fmt(untrained, 3)} for the untrained drafter (step 0)." if untrained is not None
                      else " (no step-0 evaluation in this run).")]
-    lines += ["", "tau = mean over speculative steps of (accepted drafts + 1). Plain = autoregressive decoding of the "
+        test = training.get("test")
+        if test:
+            lines += ["", f"Test split (offline walk, {test['sequences']} sequences, evaluated once): tau "
+                      f"{_fmt(test['tau_walk'], 3)} +- {_fmt(test['tau_walk_stderr'], 3)} (s.e.) for "
+                      f"{test['drafter']}/ (step {test['step']})."]
+    lines += ["", "tau = mean over speculative steps of (accepted drafts + 1); s.e. = its standard error over prompts "
+              "(95 % interval: tau +- 1.96 s.e.). Plain = autoregressive decoding of the "
               "same target with a KV cache; prompt lookup = transformers `prompt_lookup_num_tokens=10`, greedy.", ""]
     path.write_text("\n".join(lines))
 
@@ -515,9 +537,13 @@ def run_eval(
         raise UserError(f"no exported drafter in {draft_dir} (config.json not found): run `dflash export` or "
                         "pass the export folder")
     names = dataset_names(data)
-    prompts_by_dataset = {  # fail early on bad --data
-        name: heldout_prompts(draft_dir, max_samples, max_new_tokens) if name.lower() == HELDOUT
-        else load_prompts(name, max_samples) for name in names}
+    heldout_split: str | None = None
+    prompts_by_dataset: dict[str, list[Prompt]] = {}
+    for name in names:  # fail early on bad --data
+        if name.lower() == HELDOUT:
+            prompts_by_dataset[name], heldout_split = heldout_prompts(draft_dir, max_samples, max_new_tokens)
+        else:
+            prompts_by_dataset[name] = load_prompts(name, max_samples)
     info = read_target_info(draft_dir)
     resolved = _resolve_target_source(info, model, draft_dir)
     if device == "auto":
@@ -590,6 +616,7 @@ def run_eval(
         datasets[name] = _summarise(name, samples, runs, block_size, greedy)
         if any(prompt.cached is not None for prompt in prompts):
             datasets[name]["offline"] = _offline_walk(draft, embed, head, prompts)
+            datasets[name]["split"] = heldout_split
 
     report = {
         "draft_dir": str(draft_dir),

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dflash.shared.errors import UserError
-from dflash.shared.run_files import CONFIG_FILE, TARGET_INFO_FILE, WEIGHTS_FILE
+from dflash.shared.run_files import CONFIG_FILE, TARGET_INFO_FILE, TARGET_INIT_FILE, WEIGHTS_FILE, RunFiles
 from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
 
 MODELING_FILE = "modeling_dflash.py"  # this package's stage2_train/modeling_dflash.py, shipped with every export
@@ -27,8 +27,9 @@ MODELING_FILE = "modeling_dflash.py"  # this package's stage2_train/modeling_dfl
 
 def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any], *, run_dir: Path | None = None,
                  extra_files: dict[str, str] | None = None) -> None:
-    """Write config.json + model.safetensors (bf16), the target record (with the run directory it came from), and
-    any extra_files (name: text), atomically into out_dir."""
+    """Write config.json + model.safetensors (bf16), the target record (with the run directory it came from), the
+    run's target_init.json (--init-from-target) if it has one, and any extra_files (name: text), atomically into
+    out_dir."""
     from safetensors.torch import save_file
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
@@ -54,6 +55,8 @@ def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any
     }
     (tmp / TARGET_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     shutil.copy(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
+    if run_dir is not None and RunFiles(Path(run_dir)).target_init.is_file():
+        shutil.copy(RunFiles(Path(run_dir)).target_init, tmp / TARGET_INIT_FILE)
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
     shutil.rmtree(out_dir, ignore_errors=True)

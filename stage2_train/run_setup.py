@@ -34,6 +34,7 @@ from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, in_u
                                              make_plan, step_bytes)
 from dflash.stage2_train.objective import OBJECTIVES, Objective, bind_options, check_cache_for
 from dflash.stage2_train.options import TrainOptions
+from dflash.stage2_train.target_init import init_from_target
 from dflash.stage2_train.target_parts import TargetParts, load_target_parts, resolve_mask_token
 
 log = get_logger(__name__)
@@ -64,7 +65,7 @@ class TrainingRun:
     cache: Path
     manifest: dict[str, Any]
     codec: FeatureCodec  # how the cache stores its features
-    index: CacheIndex  # train / held-out split of the cache
+    index: CacheIndex  # train / validation / test split of the cache
     parts: TargetParts  # the frozen target pieces, on the CPU
     config: DFlashConfig
     mask_token_id: int
@@ -81,7 +82,8 @@ class TrainingRun:
     total_steps: int
     memory: MemoryPlan | None = None  # how micro-batches are split to fit the device (`plan_memory`)
     state: TrainState = field(default_factory=TrainState)
-    best_tau: float = -math.inf  # the best held-out walk tau after step 0 (export_best/)
+    target_init: dict[str, Any] | None = None  # what --init-from-target copied (`target_init.init_from_target`)
+    best_tau: float = -math.inf  # the best validation walk tau after step 0 (export_best/)
     lock: Any = None  # the run directory's lock, held by the main process until the run ends
 
     @property
@@ -145,6 +147,9 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     if options.loss not in OBJECTIVES:
         raise UserError(f"--loss {options.loss}: choose one of {', '.join(OBJECTIVES)}")
     check_cache_for(options.loss, cf.read_manifest(options.cache.resolve()), options.cache)
+    if options.init_from is not None and options.init_from_target is not None:
+        raise UserError("--init-from EXPORT_DIR and --init-from-target both choose the drafter's first weights: "
+                        "give one of them")
     files = RunFiles(options.out.resolve())
     lock = claim_run_dir(options, files)
     accelerator, precision = make_accelerator(options, files)
@@ -153,13 +158,16 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     set_seed(options.seed)
     cache = options.cache.resolve()
     manifest = cf.read_manifest(cache)
-    index = CacheIndex.from_cache(cache, options.eval_fraction, options.seed)
+    if options.resume:
+        keep_recorded_split(options, files)
+    index = CacheIndex.from_cache(cache, options.eval_fraction, options.seed, options.test_fraction)
     parts = load_target_parts(cache)
     config, mask_token_id = drafter_config(options, manifest, parts, files)
     torch.manual_seed(options.seed)
     model = DFlashDraftModel(config, attn_implementation=options.attention)  # type: ignore[arg-type]
     if options.init_from is not None:
         init_from_export(model, config, manifest, options.init_from)
+    target_init = init_from_target(model, cache, options.init_from_target) if options.init_from_target else None
     # Frozen target parts in the compute dtype (bf16 under mixed precision; fp32 otherwise, e.g. CPU tests).
     compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     device = accelerator.device
@@ -171,7 +179,8 @@ def setup_run(options: TrainOptions) -> TrainingRun:
         embed=parts.embed_tokens.to(device, compute_dtype), lm_head=parts.lm_head.to(device, compute_dtype),
         position_weights=position_weights(options.block_size, options.gamma or default_gamma(options.block_size),
                                           device=device),
-        bucket_multiple=128 if device.type == "cuda" else 16, steps_per_epoch=0, total_steps=0, lock=lock)
+        bucket_multiple=128 if device.type == "cuda" else 16, steps_per_epoch=0, total_steps=0, lock=lock,
+        target_init=target_init)
     # Each epoch packs a new shuffle into token-budget micro-batches, so epochs differ in step count.
     run.steps_per_epoch = run.steps_in_epoch(0)
     if run.steps_per_epoch == 0:
@@ -231,6 +240,28 @@ def claim_run_dir(options: TrainOptions, files: RunFiles) -> Any:
             elif path.exists():
                 path.unlink()
     return lock
+
+
+def keep_recorded_split(options: TrainOptions, files: RunFiles) -> None:
+    """--resume: the cache is split as when the run started. A run started before dflash held out a test split
+    recorded no test fraction and had none (its held-out samples are its validation split): it resumes without one.
+    Other split flags than the run's are refused."""
+    if not files.options.is_file():
+        return
+    record = json.loads(files.options.read_text())
+    if "test_fraction" not in record:
+        if options.test_fraction:
+            log.info("--resume: this run started before dflash held out a test split; it goes on without one "
+                     "(--test-fraction 0), so its training split stays as it was")
+        options.test_fraction = 0.0
+    given = {"--eval-fraction": options.eval_fraction, "--test-fraction": options.test_fraction, "--seed": options.seed}
+    made = {"--eval-fraction": record.get("eval_fraction"), "--test-fraction": record.get("test_fraction", 0.0),
+            "--seed": record.get("seed")}
+    differences = [f"{flag}: the run has {made[flag]}, this command gives {value}" for flag, value in given.items()
+                   if made[flag] is not None and float(made[flag]) != float(value)]
+    if differences:
+        raise UserError(f"--resume: the run in {files.root} split its cache otherwise:\n  " + "\n  ".join(differences)
+                        + "\nresume with the flags it was started with")
 
 
 def make_accelerator(options: TrainOptions, files: RunFiles) -> tuple[Any, str]:
@@ -344,7 +375,7 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
 
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
     shape = DrafterShape.of(run.config, trainable, torch.finfo(run.compute_dtype).bits // 8)
-    train = ~run.index.is_eval
+    train = run.index.is_train
     lengths = run.index.lengths[train]
     blocks = run.anchor_rule.count(run.index.candidates[train])
     costliest = int(np.argmax(step_bytes(shape, lengths, blocks)))
@@ -391,7 +422,7 @@ def make_optimizer(run: TrainingRun) -> None:
 
 def resume(run: TrainingRun) -> None:
     """--resume: refuse a run whose drafter has other sizes, then load its latest complete checkpoint (model,
-    optimizer, schedule, RNG, data position) and the best held-out tau it kept."""
+    optimizer, schedule, RNG, data position) and the best validation tau it kept."""
     path = run.files.draft_config
     if path.is_file():
         differences = config_differences(run.config, json.loads(path.read_text()), "the run")
@@ -417,8 +448,14 @@ def resume(run: TrainingRun) -> None:
 
 
 def write_run_records(run: TrainingRun) -> None:
-    """What the run was made from, beside its results: options, drafter config, the cache's manifest."""
+    """What the run was made from, beside its results: options, drafter config, the cache's manifest, and what
+    --init-from-target copied (kept from the run's start when it resumed from a checkpoint)."""
     options = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(run.options).items()}
     run.files.options.write_text(json.dumps({**options, "total_steps": run.total_steps}, indent=2))
     run.files.draft_config.write_text(json.dumps(run.config.to_dict(), indent=2))
     cf.write_json_atomic(run.files.cache_manifest, run.manifest)
+    if run.state.step == 0:  # the weights are the initial ones: record how they were made
+        if run.target_init is not None:
+            cf.write_json_atomic(run.files.target_init, run.target_init)
+        else:
+            run.files.target_init.unlink(missing_ok=True)

@@ -12,6 +12,7 @@ the update is the same for any split of the global batch over processes and accu
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 from dflash.shared.logs import get_logger
-from dflash.shared.run_files import BEST_RECORD_FILE
+from dflash.shared.run_files import BEST_RECORD_FILE, WEIGHTS_FILE
 from dflash.stage2_train.acceptance import offline_acceptance
 from dflash.stage2_train.checkpoints import has_checkpoint, save_checkpoint
 from dflash.stage2_train.data import (
@@ -33,7 +34,7 @@ from dflash.stage2_train.data import (
     split_packed_batch,
 )
 from dflash.stage2_train.draft_model import DFlashDraftModel
-from dflash.stage2_train.export import export_draft
+from dflash.stage2_train.export import export_draft, load_draft
 from dflash.stage2_train.loss import weight_sum
 from dflash.stage2_train.memory_plan import GIB, measured_peak_bytes
 from dflash.stage2_train.objective import MicroBatch
@@ -47,12 +48,12 @@ FeatureTransform = Callable[[Tensor], Tensor]
 
 
 def train(options: TrainOptions, feature_transform: FeatureTransform | None = None) -> dict[str, Any]:
-    """Train a drafter as `options` say; returns the last held-out evaluation."""
+    """Train a drafter as `options` say; returns the last validation evaluation."""
     run = setup_run(options)
     metrics = MetricsLog(run)
-    log.info("training %d steps (~%d per epoch) on %d process(es), %s, %d train / %d eval samples; mask token %d",
-             run.total_steps, run.steps_per_epoch, run.world, run.device, len(run.index.train), len(run.index.eval),
-             run.mask_token_id)
+    log.info("training %d steps (~%d per epoch) on %d process(es), %s, %d train / %d validation / %d test samples; "
+             "mask token %d", run.total_steps, run.steps_per_epoch, run.world, run.device, len(run.index.train),
+             len(run.index.eval), len(run.index.test), run.mask_token_id)
     last_eval: dict[str, Any] = {}
     evaluated_step = None
     if run.state.step == 0 and options.eval_every:  # the untrained drafter: the baseline of every later figure
@@ -98,6 +99,9 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
     if whole is not None:
         export_draft(whole, run.files.export, run.manifest, run_dir=run.files.root)
         log.info("exported the drafter to %s (%.1f min)", run.files.export, (time.time() - started) / 60)
+    run.accelerator.wait_for_everyone()
+    if run.is_main and run.index.test:
+        report_test_split(run, feature_transform)
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
     if run.lock is not None:
@@ -200,22 +204,15 @@ def train_step(run: TrainingRun, micro_batches: list[MicroBatch]) -> dict[str, A
 def evaluate(run: TrainingRun, metrics: MetricsLog, model: DFlashDraftModel | None,
              feature_transform: FeatureTransform | None = None) -> dict[str, Any]:
     """Offline acceptance length of `model` (what `run.whole_drafter()` gave every process: the drafter on the main
-    process, None on the others, which wait) on held-out sequences; keeps the drafter of the best evaluation after
-    step 0 in export_best/."""
+    process, None on the others, which wait) on the validation split (`--eval-sequences` of it, default all); keeps
+    the drafter of the best evaluation after step 0 in export_best/."""
     result: dict[str, Any] = {}
     if model is not None and run.index.eval:
-        sequences = eval_sequences(run.index, run.options.eval_sequences)
-        if feature_transform is not None:
-            sequences = ({**s, "features": feature_transform(s["features"])} for s in sequences)
-        was_training = model.training
-        model.eval()
-        with torch.no_grad(), run.accelerator.autocast():
-            result = offline_acceptance(model, run.embed, run.lm_head, sequences, run.options.block_size,
-                                        run.mask_token_id, seed=run.options.seed)
-        model.train(was_training)
+        result = walk_split(run, model, "validation", run.options.eval_sequences, feature_transform)
         result["step"] = run.state.step
-        log.info("eval step %d: tau %.3f (walk), %.3f (random anchors); acceptance by position %s", run.state.step,
-                 result["tau_walk"], result["tau_random_anchors"],
+        log.info("eval step %d: tau %.3f +- %.3f (walk, %d validation sequences), %.3f (random anchors); "
+                 "acceptance by position %s", run.state.step, result["tau_walk"], result["tau_walk_stderr"],
+                 result["sequences"], result["tau_random_anchors"],
                  [round(x, 3) for x in result["acceptance_by_position"]])
         if run.state.step > 0 and result["tau_walk"] > run.best_tau:
             # A drafter trained for many epochs on little data overfits: its held-out tau peaks before the schedule
@@ -230,6 +227,43 @@ def evaluate(run: TrainingRun, metrics: MetricsLog, model: DFlashDraftModel | No
         write_plots(run.files.root)
     run.accelerator.wait_for_everyone()
     return result
+
+
+def walk_split(run: TrainingRun, model: DFlashDraftModel, split: str, limit: int | None,
+               feature_transform: FeatureTransform | None = None) -> dict[str, Any]:
+    """`offline_acceptance` of `model` over the first `limit` (None: all) sequences of a held-out split."""
+    sequences = eval_sequences(run.index, limit, split)
+    if feature_transform is not None:
+        sequences = ({**s, "features": feature_transform(s["features"])} for s in sequences)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), run.accelerator.autocast():
+        result = offline_acceptance(model, run.embed, run.lm_head, sequences, run.options.block_size,
+                                    run.mask_token_id, seed=run.options.seed)
+    model.train(was_training)
+    return result
+
+
+def report_test_split(run: TrainingRun, feature_transform: FeatureTransform | None = None) -> dict[str, Any]:
+    """The chosen drafter (export_best/, picked on the validation split; export/ when the run has no validation
+    split) walked once over the whole test split, as exported (bf16 weights): RUN/test_results.json and the last
+    log line. Main process only."""
+    chosen = run.files.export_best if (run.files.export_best / WEIGHTS_FILE).is_file() else run.files.export
+    model = load_draft(chosen, run.options.attention).to(run.device)
+    result = walk_split(run, model, "test", None, feature_transform)
+    best = chosen / BEST_RECORD_FILE
+    selected = json.loads(best.read_text()) if best.is_file() else {"step": run.state.step}
+    half_width = 1.96 * result["tau_walk_stderr"]
+    report = {"split": "test", "drafter": chosen.name, "step": selected["step"],
+              "validation_tau_walk": selected.get("tau_walk"), **result,
+              "tau_walk_ci95": [result["tau_walk"] - half_width, result["tau_walk"] + half_width]}
+    finite = {k: ([x if math.isfinite(x) else None for x in v] if k == "tau_walk_ci95" else
+                  v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in report.items()}
+    run.files.test_results.write_text(json.dumps(finite, indent=2) + "\n")
+    log.info("test split, %d sequences never used for training or selection: tau %.3f +- %.3f (s.e.; 95%% CI "
+             "%.3f-%.3f) for %s/ (step %d) -> %s", result["sequences"], result["tau_walk"], result["tau_walk_stderr"],
+             *report["tau_walk_ci95"], chosen.name, selected["step"], run.files.test_results)
+    return report
 
 
 class MetricsLog:

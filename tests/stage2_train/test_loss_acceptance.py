@@ -14,6 +14,7 @@ from dflash.stage2_train.acceptance import (
     acceptance_table,
     draft_predictions,
     offline_acceptance,
+    tau_standard_error,
     walk_acceptance,
 )
 from dflash.stage2_train.attention_masks import AnchorLayout
@@ -346,6 +347,26 @@ def test_random_drafter_tau_is_about_one() -> None:
     assert len(result["acceptance_by_position"]) == BLOCK - 1
     again = offline_acceptance(model, embed, head, sequences, max_random_anchors=16, seed=1)
     assert again == result, "deterministic for a seed"
+    alone = [offline_acceptance(model, embed, head, [s], max_random_anchors=0) for s in sequences[:3]]
+    assert all(math.isnan(a["tau_walk_stderr"]) for a in alone)  # one sequence: no spread to measure
+    assert result["tau_walk_stderr"] == tau_standard_error([a["tokens"] for a in alone], [a["steps"] for a in alone])
+
+
+def test_tau_standard_error_against_the_mean_of_equal_units_and_a_bootstrap() -> None:
+    """With equal step counts the ratio's standard error is the standard error of the mean of the per-unit taus;
+    with unequal counts it matches a bootstrap over units (resampled with replacement) within 3 %."""
+    rng = np.random.default_rng(0)
+    steps = [40] * 30
+    tokens = [int(rng.integers(40, 120)) for _ in steps]
+    taus = np.array(tokens) / 40
+    assert tau_standard_error(tokens, steps) == pytest.approx(taus.std(ddof=1) / math.sqrt(len(taus)), rel=1e-12)
+    steps = rng.integers(5, 200, size=150)
+    tokens = np.array([int(rng.integers(s, 4 * s)) for s in steps])
+    picks = rng.integers(0, len(steps), size=(20000, len(steps)))
+    bootstrap = (tokens[picks].sum(1) / steps[picks].sum(1)).std()
+    assert tau_standard_error(tokens.tolist(), steps.tolist()) == pytest.approx(bootstrap, rel=0.03)
+    assert math.isnan(tau_standard_error([5], [3])) and math.isnan(tau_standard_error([5, 0], [3, 0]))
+    assert tau_standard_error([6, 6, 6], [3, 3, 3]) == 0.0
 
 
 def test_table_uses_only_context_before_the_anchor() -> None:

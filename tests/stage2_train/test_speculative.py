@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dflash.shared.errors import UserError
+from dflash.stage2_train.acceptance import tau_standard_error
 from dflash.stage2_train import speculative as spec
 from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target
 from dflash.stage2_train.export import export_draft
@@ -312,8 +313,14 @@ def test_run_eval_end_to_end(exported: Path, tmp_path: Path) -> None:
     assert saved["target_dtype"] == "float32"  # --dtype auto on CPU: greedy equality is exact
     assert stats["greedy_identical"] == 2 and stats["tie_divergences"] == 0
     assert report["datasets"]["mtbench"]["tau"] == pytest.approx(stats["tau"])
+    # The noise of tau over prompts: its standard error from the per-prompt accepted counts, and a 95 % interval.
+    samples = stats["samples"]
+    expected = tau_standard_error([sum(a + 1 for a in s["accepted"]) for s in samples],
+                                  [len(s["accepted"]) for s in samples])
+    assert stats["tau_stderr"] == pytest.approx(expected, rel=1e-12)
+    assert stats["tau_ci95"] == pytest.approx([stats["tau"] - 1.96 * expected, stats["tau"] + 1.96 * expected])
     markdown = (tmp_path / "eval" / "eval.md").read_text()
-    assert "| mtbench | 2 |" in markdown and "tau" in markdown
+    assert f"| mtbench | 2 | {stats['steps']} | {stats['tau']:.3f} | {expected:.3f} |" in markdown
 
 
 def test_run_eval_jsonl_prompts(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from dflash.shared.errors import UserError
 from dflash.shared.run_files import RunFiles
 from dflash.stage2_train.acceptance import offline_acceptance
 from dflash.stage2_train.data import AnchorRule, CacheIndex, eval_sequences, plan_epoch
-from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY
+from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY, TrainOptions
 from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
 from dflash.stage2_train.export import load_draft
 from dflash.stage2_train.target_parts import load_target_parts, resolve_mask_token
@@ -33,7 +34,10 @@ REFERENCE_LAYER_KEYS = [
 ]
 # Small and fast on 2 CPU cores, but the real model, data path, loss and loop.
 TRAIN_ARGS = ("--draft-layers", "1", "--max-anchors", "24", "--batch-tokens", "2304", "--num-workers", "1",
-              "--eval-fraction", "0.15", "--eval-sequences", "6", "--mixed-precision", "no")
+              "--eval-fraction", "0.05", "--eval-sequences", "6", "--test-fraction", "0.1", "--mixed-precision", "no")
+# The validation (hash < 0.05) and test (0.05 <= hash < 0.15) splits: the training split is the one of a run that
+# held out 0.15 for validation alone.
+SPLIT = (0.05, 0.1)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +102,7 @@ def test_train_learns_beats_untrained_and_exports_the_reference_format(train_cac
     trained_tau = [m for m in metrics if "eval/tau_walk" in m][-1]["eval/tau_walk"]
     parts = load_target_parts(train_cache)
     untrained = DFlashDraftModel(DFlashConfig.from_dict(json.loads((run / "draft_config.json").read_text())))
-    index = CacheIndex.from_cache(train_cache, 0.15, 0)
+    index = CacheIndex.from_cache(train_cache, SPLIT[0], 0)
     with torch.no_grad():
         untrained_tau = offline_acceptance(untrained, parts.embed_tokens.float(), parts.lm_head.float(),
                                            eval_sequences(index, 6), 16, 16)["tau_walk"]
@@ -108,17 +112,33 @@ def test_train_learns_beats_untrained_and_exports_the_reference_format(train_cac
     assert trained_tau > untrained_tau + 0.3, (trained_tau, untrained_tau)
     assert (run / "training.png").is_file() and list((run / "tensorboard").iterdir())
 
-    # Live speculative decoding on the same held-out sequences, next to the offline walk over them (CLI).
+    # The chosen drafter (export_best/: with --eval-every 0, the end's) on the whole test split, once: what
+    # offline_acceptance gives for that export over the test split's sequences, with its standard error.
+    three_way = CacheIndex.from_cache(train_cache, *SPLIT[:1], 0, test_fraction=SPLIT[1])
+    test = json.loads((run / "test_results.json").read_text())
+    with torch.no_grad():
+        reference = offline_acceptance(load_draft(run / "export_best"), parts.embed_tokens.float(),
+                                       parts.lm_head.float(), eval_sequences(three_way, None, "test"), 16, 16)
+    assert test["sequences"] == len(three_way.test) == 4 and test["drafter"] == "export_best"
+    assert test["tau_walk"] == reference["tau_walk"] and test["tau_walk_stderr"] == reference["tau_walk_stderr"]
+    assert test["step"] == max(losses) and test["tau_walk_ci95"] == pytest.approx(
+        [test["tau_walk"] - 1.96 * test["tau_walk_stderr"], test["tau_walk"] + 1.96 * test["tau_walk_stderr"]])
+    assert f"test split, 4 sequences never used for training or selection: tau {test['tau_walk']:.3f}" in (
+        result.stderr.strip().splitlines()[-1])
+
+    # Live speculative decoding on test-split sequences, next to the offline walk over them (CLI).
     result = run_dflash("eval", "--draft", str(export), "--data", "heldout", "--max-samples", "3",
                         "--max-new-tokens", "24", "--out", str(tmp_path / "eval"))
     assert result.returncode == 0, result.stderr[-3000:]
     heldout = json.loads((tmp_path / "eval" / "eval.json").read_text())["datasets"]["heldout"]
-    assert heldout["prompts"] == 3 and heldout["offline"]["sequences"] == 3
-    assert heldout["offline"]["tau_walk"] > untrained_tau + 0.3
+    assert heldout["prompts"] == 3 and heldout["offline"]["sequences"] == 3 and heldout["split"] == "test"
+    assert [s["id"] for s in heldout["samples"]] == [s["sample_id"] for s in eval_sequences(three_way, 3, "test")]
+    assert heldout["offline"]["tau_walk"] > untrained_tau + 0.2  # 3 test sequences cut to 24 tokens: 1.27 measured
     assert heldout["tau"] > 1.0 and heldout["greedy_identical"] + heldout["tie_divergences"] == 3
     assert "offline walk tau" in (tmp_path / "eval" / "eval.md").read_text()
     training = json.loads((tmp_path / "eval" / "eval.json").read_text())["training"]
     assert training["trained_tau_walk"] == trained_tau and training["untrained_tau_walk"] is None  # --eval-every 0
+    assert training["test"]["tau_walk"] == test["tau_walk"]
     # Clear refusals at the CLI: a folder without an export, an unknown dataset, a target of another size.
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -174,6 +194,40 @@ def test_killed_training_resumes_to_the_same_loss_curve(train_cache: Path, tmp_p
     assert_same_training(killed, straight, loss_rel=1e-4)
 
 
+def test_a_run_made_before_the_test_split_resumes_and_evaluates_with_its_own_split(train_cache: Path,
+                                                                                  tmp_path: Path) -> None:
+    """A run recorded before dflash held out a test split (train_options.json without test_fraction) had one
+    held-out split: --resume keeps it (no test split; step 2 trains on the data it trained on the first time) even
+    with today's default --test-fraction, and `dflash eval --data heldout` takes its validation split. Split flags
+    other than the run's are refused on a resume."""
+    from dflash.stage2_train.evaluate import heldout_prompts
+
+    run = tmp_path / "run"
+    args = ("--max-steps", "2", "--eval-every", "0", "--checkpoint-every", "1", "--keep-checkpoints", "0", *TRAIN_ARGS)
+    assert run_dflash("train", "--cache", str(train_cache), "--out", str(run), *args, "--test-fraction", "0").returncode == 0
+    first = step_records(run)
+    shutil.rmtree(run / "checkpoints" / "step-00000002")
+    options = json.loads((run / "train_options.json").read_text())
+    del options["test_fraction"]
+    (run / "train_options.json").write_text(json.dumps(options))
+    resumed = run_dflash("train", "--cache", str(train_cache), "--out", str(run), *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "started before dflash held out a test split; it goes on without one" in resumed.stderr
+    again = step_records(run)
+    assert again[2]["labels"] == first[2]["labels"] and again[2]["loss"] == pytest.approx(first[2]["loss"], rel=1e-4)
+    assert json.loads((run / "train_options.json").read_text())["test_fraction"] == 0.0
+    assert not (run / "test_results.json").exists()
+    prompts, split = heldout_prompts(run / "export", 2, 8)
+    validation = list(eval_sequences(CacheIndex.from_cache(train_cache, SPLIT[0], 0), 2))
+    assert split == "validation" and [p.id for p in prompts] == [s["sample_id"] for s in validation]
+    from dflash.stage2_train.run_setup import keep_recorded_split
+
+    with pytest.raises(UserError, match="split its cache otherwise:\n  --eval-fraction: the run has 0.05, this "
+                                        "command gives 0.2\nresume with the flags it was started with"):
+        keep_recorded_split(TrainOptions(cache=train_cache, out=run, resume=True, eval_fraction=0.2,
+                                         test_fraction=0.0), RunFiles(run))
+
+
 def test_epochs_of_different_step_counts_train_to_the_end(tmp_path: Path) -> None:
     # Each epoch packs a new shuffle into micro-batches, so a later epoch can hold fewer micro-batches than the
     # first one.
@@ -182,7 +236,7 @@ def test_epochs_of_different_step_counts_train_to_the_end(tmp_path: Path) -> Non
     cache = tmp_path / "cache"
     run_dflash("extract", "--data", str(data), "--out", str(cache), "--max-length", "160", "--workers", "1",
                check=True)
-    index = CacheIndex.from_cache(cache, 0.05, 0)
+    index = CacheIndex.from_cache(cache, 0.05, 0, TrainOptions.test_fraction)
     budget, counts = next((b, c) for b in range(2048, 128, -16)
                           if (c := [len(plan_epoch(index, e, 0, b, 1, AnchorRule(DEFAULT_ANCHOR_DENSITY, 2, 16)))
                                     for e in range(3)])[1] < c[0])

@@ -211,6 +211,32 @@ def test_split_is_disjoint_deterministic_and_independent_of_sharding(cache: Path
     assert eval_ids == other_eval_ids
 
 
+def test_validation_and_test_splits_are_disjoint_bands_of_the_split_hash(cache: Path, index: CacheIndex) -> None:
+    """Validation = hash < eval_fraction (what a run without a test split held out), test = the next test_fraction,
+    training = the rest; each read in hash order, the test split also through `eval_sequences`."""
+    three = CacheIndex.from_cache(cache, eval_fraction=0.15, seed=3, test_fraction=0.2)
+
+    def keys(samples: list) -> set:
+        return {(s.shard, s.row) for s in samples}
+
+    train, validation, test = keys(three.train), keys(three.eval), keys(three.test)
+    assert validation and test and not (train & validation or train & test or validation & test)
+    assert train | validation | test == keys(index.train + index.eval)
+    assert three.eval == index.eval  # the same validation split as without a test split
+    stored = stored_samples(cache)
+    hashes = {key: float(td.split_hash(np.array([s["sample_index"]]), 3)[0]) for key, s in stored.items()}
+    assert test == {key for key in train | validation | test if 0.15 <= hashes[key] < 0.35}
+    assert [hashes[(s.shard, s.row)] for s in three.test] == sorted(hashes[key] for key in test)
+    summary = three.summary()
+    assert (summary["train_samples"], summary["eval_samples"], summary["test_samples"]) == (
+        len(train), len(validation), len(test))
+    assert [item["sample_key"] for item in td.eval_sequences(three, None, "test")] == [(s.shard, s.row)
+                                                                                         for s in three.test]
+    assert Counter(s for batch in plan_epoch(three, 0, 1, 640) for s in batch) == Counter(three.train)
+    with pytest.raises(ValueError, match="sum <= 1"):
+        CacheIndex.from_cache(cache, eval_fraction=0.6, seed=3, test_fraction=0.5)
+
+
 # ------------------------------------------------------------------------------------------------- plans
 
 
