@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -98,18 +99,25 @@ def extract_command(**kwargs: object) -> None:
     Exit codes: 0 done, 1 a worker failed (traceback in the log), 2 bad option or input, 3 refused (cache made
     with other settings, or shards locked by another run), 130/143 interrupted (rerun to resume).
     """
+    context = click.get_current_context()
+    _run_supervised("extract", "rerun the same command to resume (finished shards are kept)",
+                    lambda: _extract(context, kwargs))
+
+
+def _run_supervised(command: str, how_to_go_on: str, run: Callable[[], int]) -> None:
+    """Exit with what a supervised run (extract, generate) returns: its code, 3 with one line when it refuses, or
+    130 / 143 with `how_to_go_on` when it was interrupted (here or in its workers)."""
     from dflash.shared.interrupts import exit_interrupted, exit_on_interrupt, interrupted_by
     from dflash.stage1_extract.supervisor import EXIT_REFUSED, ExtractRefused
 
-    how_to_go_on = "rerun the same command to resume (finished shards are kept)"
     try:
-        with exit_on_interrupt("extract", how_to_go_on):
-            code = _extract(click.get_current_context(), kwargs)
+        with exit_on_interrupt(command, how_to_go_on):
+            code = run()
     except ExtractRefused as error:
-        click.echo(f"dflash extract: refused: {error}", err=True)
+        click.echo(f"dflash {command}: refused: {error}", err=True)
         sys.exit(EXIT_REFUSED)
     if (signum := interrupted_by(code)) is not None:
-        exit_interrupted("extract", signum, how_to_go_on)
+        exit_interrupted(command, signum, how_to_go_on)
     sys.exit(code)
 
 
@@ -212,17 +220,7 @@ def generate_command(**kwargs: object) -> None:
     Exit codes: 0 done, 1 a worker failed (see OUT/generate.log), 2 bad option or input, 3 refused (output made
     with other settings, or in use by another run), 130/143 interrupted (rerun to resume).
     """
-    from dflash.shared.interrupts import exit_interrupted, exit_on_interrupt, interrupted_by
     from dflash.stage1_extract.generate_run import GenerateOptions, run_generate
-    from dflash.stage1_extract.supervisor import EXIT_REFUSED, ExtractRefused
 
-    how_to_go_on = "rerun the same command to resume (finished conversations are kept)"
-    try:
-        with exit_on_interrupt("generate", how_to_go_on):
-            code = run_generate(GenerateOptions(**kwargs))  # type: ignore[arg-type]
-    except ExtractRefused as error:
-        click.echo(f"dflash generate: refused: {error}", err=True)
-        sys.exit(EXIT_REFUSED)
-    if (signum := interrupted_by(code)) is not None:
-        exit_interrupted("generate", signum, how_to_go_on)
-    sys.exit(code)
+    _run_supervised("generate", "rerun the same command to resume (finished conversations are kept)",
+                    lambda: run_generate(GenerateOptions(**kwargs)))  # type: ignore[arg-type]

@@ -83,9 +83,11 @@ def _run_command(request: dict[str, Any]) -> None:
         sys.argv = ["-m", *request["args"]]  # runpy puts the module's path first, as `python -m` does
         runpy.run_module("dflash.shared.cli", run_name="__main__", alter_sys=True)
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if stop.code is not None and not isinstance(stop.code, int):
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:  # sys.exit("message"): the interpreter prints it and exits 1
             print(stop.code, file=sys.stderr)
+            code = 1
     except BaseException:  # what the interpreter does with an uncaught exception
         import traceback
 
