@@ -98,6 +98,7 @@ NEW_TOKENS=${NEW_TOKENS:-512}
 GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 2 --batch-tokens 1310720 --chunk-size 512 --static-cache}
 MAX_LENGTH=${MAX_LENGTH:-2048}
 TRAIN_SECONDS=${TRAIN_SECONDS:-540}  # or TRAIN_END, below
+TRAIN_MARGIN=${TRAIN_MARGIN:-120}  # seconds of it left for start-up, evaluations, checkpoints and the final export
 # 64 anchors per sequence: with answers of a few hundred tokens, 512 (the reference's default, for 3,072-token
 # samples) pads every sample to 8,192 block positions and makes steps ~7x slower for no better tau per step (README)
 TRAIN_FLAGS=${TRAIN_FLAGS:---attention sdpa --eval-every 500 --checkpoint-every 500 --batch-tokens 16384 --max-anchors 64 --num-workers 6}
@@ -255,17 +256,16 @@ EOF
         # Steps per run: the same for all (the slowest one's rate; the fp8-vs-bf16 comparison), but each its own
         # when VARIANTS differ in cost per step.
         per_run=$([ -n "$VARIANTS" ] && echo 1 || echo 0)
-        steps=$(python3 - "$TRAIN_SECONDS" "$per_run" "$WORK"/calib_* <<'EOF'
+        steps=$(python3 - "$TRAIN_SECONDS" "$per_run" "$TRAIN_MARGIN" "$WORK"/calib_* <<'EOF'
 import json, sys
-budget, per_run, runs = float(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
+budget, per_run, margin, runs = float(sys.argv[1]), sys.argv[2] == "1", float(sys.argv[3]), sys.argv[4:]
 rates = {}
 for run in runs:
     records = {r["step"]: r for r in map(json.loads, open(f"{run}/metrics.jsonl")) if "elapsed_s" in r}
     name = run.rsplit("/calib_", 1)[1]
     rates[name] = 40 / (records[60]["elapsed_s"] - records[20]["elapsed_s"])
     print(f"{name}: {rates[name]:.2f} steps/s", file=sys.stderr)
-# 120 s for startup, evaluations, checkpoints and the final export
-print(" ".join(f"{name}={int((rate if per_run else min(rates.values())) * (budget - 120))}"
+print(" ".join(f"{name}={int((rate if per_run else min(rates.values())) * (budget - margin))}"
                for name, rate in rates.items()))
 EOF
 )

@@ -200,8 +200,12 @@ def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> 
                    "(recorded in its dflash_target.json).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="The target's dtype: auto = float32 on CPU (exact greedy equality), bf16 on GPU.")
+@click.option("--baselines/--no-baselines", default=True, show_default=True,
+              help="Also decode each prompt plainly and with prompt lookup (speedups, greedy equality check). "
+                   "--no-baselines measures tau alone, in about a third of the time.")
 def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_new_tokens: int, temperature: float,
-                 model: str | None, threads: int, seed: int, allow_target_mismatch: bool, dtype: str) -> None:
+                 model: str | None, threads: int, seed: int, allow_target_mismatch: bool, dtype: str,
+                 baselines: bool) -> None:
     """Speculative decoding with the target and an exported drafter: acceptance length tau, acceptance by block
     position, tokens/s and speedup against plain autoregressive decoding and prompt-lookup decoding, measured in
     the same run. Greedy mode must reproduce the target's own greedy output."""
@@ -217,7 +221,7 @@ def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_ne
 
     with exit_on_interrupt("eval", "nothing is kept of an unfinished evaluation: rerun the same command"):
         result = run_eval(draft_dir, data, out, max_samples, max_new_tokens, temperature=temperature, model=model,
-                          seed=seed, allow_target_mismatch=allow_target_mismatch, dtype=dtype)
+                          seed=seed, allow_target_mismatch=allow_target_mismatch, dtype=dtype, baselines=baselines)
     click.echo((Path(out) / "eval.md").read_text() if (Path(out) / "eval.md").is_file() else json_dump(result))
 
 

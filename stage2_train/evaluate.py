@@ -523,8 +523,12 @@ def run_eval(
     seed: int = 0,
     allow_target_mismatch: bool = False,
     dtype: str = "auto",
+    baselines: bool = True,
 ) -> dict[str, Any]:
-    """Evaluate an exported drafter against its target on one or more datasets; write eval.json/.md/.png."""
+    """Evaluate an exported drafter against its target on one or more datasets; write eval.json/.md/.png.
+
+    baselines=False decodes only speculatively: tau, acceptance and dflash tokens/s, without plain and prompt-lookup
+    decoding (so no speedups and no greedy equality check), in about a third of the time."""
     from dflash.shared.target_loading import load_target_model, load_tokenizer, stop_token_ids
 
     draft_dir = Path(draft_dir)
@@ -574,6 +578,8 @@ def run_eval(
     # transformers' assisted generation (prompt lookup) refuses stateful targets (recurrent layers cannot be cut back).
     lookup_refused = "transformers refuses prompt lookup for stateful models" if getattr(
         target, "_is_stateful", False) else None
+    if not baselines:
+        lookup_refused = "not run (--no-baselines)"
 
     def lookup(ids: list[int], n: int) -> SpecResult:
         return SpecResult(tokens=[]) if lookup_refused else prompt_lookup_generate(target, ids, n, stops)
@@ -581,7 +587,8 @@ def run_eval(
     log.info("evaluating %s with the target %s on %s (%d prompts): warming up", draft_dir, resolved.display_name,
              device, sum(len(prompts) for prompts in prompts_by_dataset.values()))
     dflash(first, 4)
-    greedy_generate(target, first, 4, stops)
+    if baselines:
+        greedy_generate(target, first, 4, stops)
     lookup(first, 4)
 
     datasets: dict[str, Any] = {}
@@ -594,13 +601,14 @@ def run_eval(
             prompt_started = time.time()
             ids = prompt.ids or tokenize_prompt(tokenizer, prompt.messages)
             spec = dflash(ids, max_new_tokens)
-            plain = greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature, generator=generator)
+            plain = (greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature, generator=generator)
+                     if baselines else SpecResult(tokens=[]))
             lookup_result = lookup(ids, max_new_tokens)
             sample: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "new_tokens": len(spec.tokens),
                                       "steps": spec.steps, "tau": spec.tau, "accepted": spec.accepted,
                                       "seconds": {"dflash": spec.seconds, "plain": plain.seconds,
                                                   "prompt_lookup": lookup_result.seconds}}
-            if greedy:
+            if greedy and baselines:
                 sample.update(compare_greedy(target, prompt, ids, plain.tokens, spec.tokens))
                 sample["prompt_lookup_identical"] = lookup_result.tokens == plain.tokens
             samples.append(sample)
@@ -613,7 +621,7 @@ def run_eval(
                      spec.tokens_per_second, plain.tokens_per_second, lookup_result.tokens_per_second,
                      time.time() - prompt_started,
                      time.strftime("%H:%M:%S", time.gmtime((time.time() - started) / done * (total_prompts - done))))
-        datasets[name] = _summarise(name, samples, runs, block_size, greedy)
+        datasets[name] = _summarise(name, samples, runs, block_size, greedy and baselines)
         if any(prompt.cached is not None for prompt in prompts):
             datasets[name]["offline"] = _offline_walk(draft, embed, head, prompts)
             datasets[name]["split"] = heldout_split
@@ -626,6 +634,7 @@ def run_eval(
         "target_dtype": str(target_dtype).replace("torch.", ""),
         "torch_threads": torch.get_num_threads(),
         "temperature": temperature,
+        "baselines": baselines,
         "max_new_tokens": max_new_tokens,
         "max_samples": max_samples,
         "block_size": block_size,

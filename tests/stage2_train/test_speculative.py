@@ -10,6 +10,7 @@ threads made small forwards 3-4x slower and erratic.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -321,6 +322,15 @@ def test_run_eval_end_to_end(exported: Path, tmp_path: Path) -> None:
     assert stats["tau_ci95"] == pytest.approx([stats["tau"] - 1.96 * expected, stats["tau"] + 1.96 * expected])
     markdown = (tmp_path / "eval" / "eval.md").read_text()
     assert f"| mtbench | 2 | {stats['steps']} | {stats['tau']:.3f} | {expected:.3f} |" in markdown
+
+    # --no-baselines: the same speculative decoding (same tokens, so the same tau and steps), nothing else decoded.
+    alone = run_eval(exported, "mtbench", tmp_path / "alone", max_samples=2, max_new_tokens=16, baselines=False)
+    only = alone["datasets"]["mtbench"]
+    assert (only["tau"], only["steps"]) == (stats["tau"], stats["steps"])
+    assert [s["accepted"] for s in only["samples"]] == [s["accepted"] for s in samples]
+    assert only["new_tokens"]["plain"] == only["new_tokens"]["prompt_lookup"] == 0
+    assert only["greedy_identical"] is None and math.isnan(only["speedup"]["dflash"])
+    assert alone["baselines"] is False and "| mtbench | 2 |" in (tmp_path / "alone" / "eval.md").read_text()
 
 
 def test_run_eval_jsonl_prompts(tmp_path: Path) -> None:
