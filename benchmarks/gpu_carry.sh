@@ -19,7 +19,7 @@ $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --imp
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 gguf==0.19.0
 gguf=$($PY -c 'from dflash.shared.embedded import smollm2_gguf; print(smollm2_gguf())')
-(cd .carry_a && split -b 50000000 "$gguf" gguf. && rm -f ../.carry_b/gguf.ab && mv gguf.ab ../.carry_b/)
+(cd .carry_a && split -b "${GGUF_PART:-55000000}" "$gguf" gguf. && rm -f ../.carry_b/gguf.ab && mv gguf.ab ../.carry_b/)
 $PY - <<'EOF'
 import gzip, json, os, shutil
 from pathlib import Path

@@ -429,44 +429,58 @@ class PackedGroups:
         return self.context_index.shape[1]
 
 
-def packed_blocks_per_group(layout: PackedLayout, window: int) -> int:
-    """Blocks per group for `packed_groups`: the fewest (a power of two dividing N) whose keys, n_groups * (W +
-    G * Bk) with W the longest window, stay within MAX_GROUPED_KEYS_RATIO times the whole mask's C + N * Bk; the
-    whole layout as one group below MIN_GROUPED_BLOCK_KEYS block keys (the copies cost more than they save)."""
+def _group_windows(lo: Tensor, hi: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Each group of `group` consecutive blocks: the start and end of the context window its blocks may see."""
+    ends = hi.view(-1, group).amax(1)
+    starts = torch.minimum(lo.view(-1, group).amin(1), ends)  # a group of padding blocks only: empty, at its end
+    return starts, ends
+
+
+def packed_blocks_per_group(layout: PackedLayout, head_dim: int) -> int:
+    """Blocks per group for `packed_groups`: of the powers of two dividing N (N itself: the whole mask as one
+    group), the one with the least attention work, (W_G + G * Bk) * (N * Bk + 2 * D * N / G), W_G the widest
+    context window of a group: every query scores W_G + G * Bk keys, and each group copies that many keys and
+    values of D per head. The whole layout as one group below MIN_GROUPED_BLOCK_KEYS block keys (there the copies
+    cost more than they save, measured on CPU).
+
+    Not "the fewest under a key budget, else the whole mask": a micro-batch of many sequences then fell back to the
+    whole mask, whose keys grow with the square of the micro-batch (H200, SmolLM2 drafter, 1,728 blocks after
+    21,876 context tokens: 2.6 GB per layer for the mask alone, four of those runs side by side ran out of memory;
+    benchmarks/bench_packed_attention.py)."""
     n, bk = layout.num_blocks, layout.block_size
     if n * bk < MIN_GROUPED_BLOCK_KEYS:
         return max(n, 1)
-    group = 1
-    while group < n:
-        if n % group == 0 and (n // group) * (window + group * bk) <= MAX_GROUPED_KEYS_RATIO * layout.num_keys:
-            return group
-        group *= 2
-    return max(n, 1)
+    ctx_len = layout.context_len
+    # One transfer, then every candidate on the host.
+    lo = torch.where(layout.block_valid, layout.block_context_start, torch.full_like(layout.block_anchor, ctx_len))
+    hi = torch.where(layout.block_valid, layout.block_context_start + layout.block_anchor, torch.zeros_like(lo))
+    lo, hi = lo.cpu(), hi.cpu()
+    candidates = [1 << i for i in range(n.bit_length()) if (1 << i) < n and n % (1 << i) == 0] + [n]
+
+    def cost(group: int) -> int:
+        starts, ends = _group_windows(lo, hi, group)
+        keys = int((ends - starts).max()) + group * bk
+        return keys * (n * bk + 2 * head_dim * (n // group))
+
+    return min(candidates, key=cost)
 
 
 def packed_groups(layout: PackedLayout, sliding_window: int | None = None,
-                  num_blocks_per_group: int | None = None) -> PackedGroups:
-    """The packed layout's mask for grouped SDPA (see `PackedGroups`)."""
+                  num_blocks_per_group: int | None = None, head_dim: int = 64) -> PackedGroups:
+    """The packed layout's mask for grouped SDPA (see `PackedGroups`); the group size defaults to
+    `packed_blocks_per_group` (for attention heads of `head_dim`) and must divide the number of blocks."""
     if sliding_window is not None and sliding_window < layout.block_size:
         raise ValueError(f"sliding_window={sliding_window} must be >= block_size={layout.block_size}")
     n, bk, ctx_len, device = layout.num_blocks, layout.block_size, layout.context_len, layout.device
     lo = torch.where(layout.block_valid, layout.block_context_start, torch.full_like(layout.block_anchor, ctx_len))
     hi = torch.where(layout.block_valid, layout.block_context_start + layout.block_anchor, torch.zeros_like(lo))
-
-    def windows(group: int) -> tuple[Tensor, int]:
-        starts = lo.view(-1, group).amin(1)
-        ends = hi.view(-1, group).amax(1)
-        starts = torch.minimum(starts, ends)  # a group of padding blocks only: an empty window at its end
-        return starts, int((ends - starts).max()) if n else 0  # one sync per micro-batch and layer type
-
     if num_blocks_per_group is None:
-        _, whole_window = windows(max(n, 1)) if n else (None, 0)
-        num_blocks_per_group = packed_blocks_per_group(layout, whole_window)
+        num_blocks_per_group = packed_blocks_per_group(layout, head_dim)
     if n % max(num_blocks_per_group, 1):
         raise ValueError(f"{num_blocks_per_group} blocks per group do not tile {n} blocks")
     group = max(num_blocks_per_group, 1)
-    starts, width = windows(group)
-    width = max(width, 1)
+    starts, ends = _group_windows(lo, hi, group) if n else (lo, hi)
+    width = max(int((ends - starts).max()) if n else 0, 1)  # one sync per micro-batch and layer type
     num_groups, group_queries = n // group, group * bk
     context_index = (starts[:, None] + torch.arange(width, device=device)).clamp(max=max(ctx_len - 1, 0))
     in_window = starts[:, None] + torch.arange(width, device=device) < ctx_len

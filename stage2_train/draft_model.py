@@ -512,7 +512,7 @@ class DFlashDraftModel(nn.Module):
             if backend == "flex":
                 return make_packed_block_mask(spec, window)
             if backend == "sdpa":
-                return packed_groups(spec, window)
+                return packed_groups(spec, window, head_dim=self.config.head_dim)
             return packed_dense_mask(spec, window)[:, None]  # eager: the whole mask
         if isinstance(spec, AnchorLayout):
             if backend == "flex":

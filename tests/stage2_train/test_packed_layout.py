@@ -130,7 +130,6 @@ def test_grouped_sdpa_on_the_packed_layout_equals_the_whole_mask(monkeypatch: py
 
     assert masks_module.packed_groups(layout).mask.shape[0] == 1
     whole, eager = run("sdpa"), run("eager")
-    monkeypatch.setattr(masks_module, "MAX_GROUPED_KEYS_RATIO", 50)
     monkeypatch.setattr(masks_module, "MIN_GROUPED_BLOCK_KEYS", 0)
     groups = masks_module.packed_groups(layout)
     assert groups.mask.shape[0] > 1 and groups.window < layout.context_len  # several groups, each a window
@@ -175,3 +174,42 @@ def test_padding_blocks_see_only_themselves_and_the_reference_layout_agrees() ->
     padded = batch_dense_mask(AnchorLayout.from_anchor_lists(anchors, lengths, BLOCK))
     # Sequence 1's block, seen from the packed layout, sees its context shifted by sequence 0's length.
     assert packed[2 * BLOCK, 10:16].tolist() == padded[1, 0, :6].tolist()
+
+
+def test_many_sequences_get_the_cheapest_group_size_not_the_whole_mask() -> None:
+    """A micro-batch of many sequences (30 answers, density 1/6, blocks of 16): the rule picks the group size whose
+    cost, (W_G + G * Bk) * (N * Bk + 2 * D * N / G), is the least over the candidates, computed here from the anchor
+    lists; each query then scores at least 5x fewer keys than over the whole mask (the rule used to fall back to
+    the whole mask for such micro-batches, whose keys grow with the square of the micro-batch)."""
+    import math
+
+    from dflash.stage2_train.attention_masks import packed_blocks_per_group, packed_groups
+    from dflash.stage2_train.data import bucket
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(200, 1500, (30,), generator=generator).tolist()
+    anchors = []
+    for n in lengths:
+        candidates = torch.arange(n // 3, n - 1)
+        count = math.ceil(len(candidates) / 6)
+        anchors.append(candidates[torch.randperm(len(candidates), generator=generator)[:count]].sort().values.tolist())
+    real = sum(len(a) for a in anchors)
+    layout = PackedLayout.from_anchor_lists(anchors, lengths, 16, num_blocks=bucket(real, 8),
+                                            context_len=bucket(sum(lengths)))
+    n, head_dim = layout.num_blocks, 64
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    windows = [(starts[i], starts[i] + a) for i, anchor_list in enumerate(anchors) for a in anchor_list]
+
+    def cost(group: int) -> int:
+        widest = 0
+        for g in range(0, real, group):
+            members = windows[g:g + group]
+            widest = max(widest, max(e for _, e in members) - min(b for b, _ in members))
+        return (widest + group * 16) * (n * 16 + 2 * head_dim * (n // group))
+
+    candidates = [g for g in (2 ** i for i in range(n.bit_length())) if g < n and n % g == 0] + [n]
+    chosen = packed_blocks_per_group(layout, head_dim)
+    assert cost(chosen) == min(cost(g) for g in candidates) and chosen < n
+    groups = packed_groups(layout, head_dim=head_dim)
+    assert groups.mask.shape[0] == n // chosen
+    assert (groups.window + chosen * 16) * 5 <= layout.num_keys
