@@ -13,6 +13,9 @@ training packs them (`PackedLayout`). Variants, each on the same inputs in one p
 
 Reported per variant: seconds per step (median of --steps after a warm-up step), peak memory above the inputs
 (CUDA), and the outputs' largest difference from sdpa_grouped (the packed variants compute the same function).
+--draws K instead: K micro-batches of different shapes, one after another in one process as training sees them,
+two steps each; the first step of a new shape includes whatever compilation it triggers (flex: the BlockMask and
+the kernel).
 
     python benchmarks/bench_packed_attention.py --batch-tokens 49152 --out benchmarks/results
 """
@@ -79,8 +82,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--variants", default="sdpa_whole,sdpa_grouped,flex,padded")
+    parser.add_argument("--draws", type=int, default=0, help="a shape sweep of this many micro-batches instead")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    if args.draws:
+        shape_sweep(args)
+        return
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -153,6 +160,51 @@ def main() -> None:
             result["variants"][name]["max_abs_diff_vs_grouped"] = float((value - outputs["sdpa_grouped"]).abs().max())
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"packed_attention_smollm2_{device.type}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"-> {path}")
+
+
+def shape_sweep(args: argparse.Namespace) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bk = args.block_size
+    config = config_from_target(SMOLLM2, None, args.layers, bk, mask_token_id=0)
+    width = config.num_context_layers * config.hidden_size
+    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}, "variants": {}}
+    for variant in args.variants.split(","):
+        if variant not in ("sdpa_grouped", "flex") or (variant == "flex" and device.type != "cuda"):
+            continue
+        torch.manual_seed(0)
+        model = DFlashDraftModel(config, attn_implementation="flex" if variant == "flex" else "sdpa").to(device, dtype)
+        draws = []
+        started_all = time.perf_counter()
+        for draw in range(args.draws):
+            generator = torch.Generator().manual_seed(draw)
+            lengths, anchors = draw_sequences(args, generator)
+            blocks = sum(len(a) for a in anchors)
+            layout = PackedLayout.from_anchor_lists(anchors, lengths, bk, num_blocks=bucket(blocks, 8),
+                                                    context_len=bucket(sum(lengths)), device=device)
+            context = torch.randn(1, layout.context_len, width, generator=generator).to(device, dtype)
+            noise = torch.randn(1, layout.num_queries, config.hidden_size, generator=generator).to(device, dtype)
+            times = []
+            for _ in range(2):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                model(noise, context, layout.query_position_ids(), layout.context_position_ids(),
+                      layout).float().square().mean().backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - started)
+                model.zero_grad(set_to_none=True)
+            draws.append({"num_blocks": layout.num_blocks, "context_len": layout.context_len, "first_s": times[0],
+                          "second_s": times[1]})
+            print(f"{variant} draw {draw}: {layout.num_blocks} blocks, context {layout.context_len}: "
+                  f"{times[0]:.3f} s first, {times[1]:.3f} s again", flush=True)
+        result["variants"][variant] = {"draws": draws, "total_s": time.perf_counter() - started_all}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"packed_attention_shapes_smollm2_{device.type}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"-> {path}")
 

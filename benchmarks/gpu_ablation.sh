@@ -20,6 +20,19 @@
 # 3. live tau of every run's export_best on MT-Bench and HumanEval (EVAL_SAMPLES prompts, EVAL_TOKENS new tokens)
 #    by speculative decoding alone (EVAL_FLAGS)
 # Everything small goes to $OUT; `tar czf` it from the polling calls.
+#
+# The calls (2026-12-05; the tree is ~10 MB and a call carries at most 64 MiB, so the GGUF travels split at 55 MB):
+#   here:    FIRST_TURNS=10 bash benchmarks/gpu_carry.sh; mkdir -p .carry_old && git archive ed327ed shared \
+#            stage1_extract stage2_train | tar -x -C .carry_old   (/.carry_old/ in .git/info/exclude)
+#   call 1:  carry .carry_a .carry_old: mkdir -p /tmp/dflash_work /tmp/gpu_out && cp .carry_a/gguf.aa /tmp/dflash_work/
+#            && cp -r .carry_old /tmp/old_code
+#   call 2:  carry .whl .carry_b: T0=$(date +%s); export OUT2=$OUT OUT=/tmp/gpu_out; python3 -m pip install ... --target
+#            /tmp/site .whl/*.whl; cp -r . /tmp/repo && cd /tmp/repo && bash benchmarks/gpu_pipeline.sh model &&
+#            (TRAIN_END=$((T0 + LEFT - 430)) setsid nohup bash benchmarks/gpu_ablation.sh >/tmp/gpu_out/ablation.log
+#            2>&1 </dev/null &); sleep 400; tar czf $OUT2/state.tgz -C /tmp/gpu_out --exclude=keep .
+#   then:    poll (sleep, tar) until ablation_stages.tsv says "ablation done"; the last call also copies keep/.
+# Issue each call right after the previous one returns: the machine goes back 30 s after a call, with everything
+# on it (this is how the 2026-12-05 attempt lost its runs).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 WORK=${WORK:-/tmp/dflash_work}

@@ -481,10 +481,13 @@ class DFlashDraftModel(nn.Module):
     def _backend(self, device: torch.device) -> str:
         if self.attn_implementation == "auto":
             # Measured on an H200 (benchmarks/results): flex's block-sparse kernels win for large drafters (hidden
-            # 4096: 0.755 vs 1.041 s/step) and lose for small ones, whose steps are short next to flex's fixed
-            # costs (hidden 576: 0.204 vs 0.065 s/step, plus ~70 s of mask compilation per new anchor count).
-            # Both measured with SDPA over the whole mask; grouped SDPA (`grouped_attention`) is not yet measured
-            # on a GPU, so the threshold may move (benchmarks/gpu_pipeline.sh bench).
+            # 4096: 0.755 vs 1.041 s/step) and lost for small ones on the padded layout (hidden 576: 0.204 vs
+            # 0.065 s/step, plus ~70 s of mask compilation per new anchor count). On the packed layout (bucketed
+            # shapes) a 5-layer hidden-576 drafter's forward and backward over 1,856 blocks takes 0.057 s with
+            # flex and 0.08-0.13 s with grouped SDPA, after ~60 s of compilation for the first two shapes and none
+            # after (packed_attention_shapes_smollm2_cuda.json): flex pays off after ~1,300 steps. Not yet
+            # measured in a whole training run, so small drafters stay on SDPA here; pass --attention flex for
+            # long runs.
             large = self.config.hidden_size >= FLEX_MIN_HIDDEN_SIZE
             return "flex" if device.type == "cuda" and large else "sdpa"
         if self.attn_implementation not in ATTENTION_BACKENDS:
