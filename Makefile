@@ -32,8 +32,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# Test files are spread over TEST_WORKERS processes (pytest-xdist), each file whole in one of them (its module
+# fixtures built once); 0 runs them in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 -m "not slow and not reliability" tests
+	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) \
+		--durations=15 -m "not slow and not reliability" tests
 
 # The bad-input tour (tests/end_to_end/test_bad_input_tour.py) and the randomized kill campaign (10 random kills per
 # command), in one table; ~17 minutes on 2 cores.

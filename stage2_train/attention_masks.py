@@ -429,6 +429,13 @@ class PackedGroups:
         return self.context_index.shape[1]
 
 
+# Grouped attention over the packed layout copies the keys of each group's window: at most this many times the
+# keys of the whole mask (C + N * Bk). The cheapest group sizes of packed micro-batches copy 2.3-5.5x (many
+# sequences of 128-3,072 tokens, benchmarks/bench_packed_attention.py's draws); one long sequence alone up to ~10x,
+# where a larger group does nearly as well.
+MAX_PACKED_COPIES_RATIO = 6
+
+
 def _group_windows(lo: Tensor, hi: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """Each group of `group` consecutive blocks: the start and end of the context window its blocks may see."""
     ends = hi.view(-1, group).amax(1)
@@ -440,8 +447,9 @@ def packed_blocks_per_group(layout: PackedLayout, head_dim: int) -> int:
     """Blocks per group for `packed_groups`: of the powers of two dividing N (N itself: the whole mask as one
     group), the one with the least attention work, (W_G + G * Bk) * (N * Bk + 2 * D * N / G), W_G the widest
     context window of a group: every query scores W_G + G * Bk keys, and each group copies that many keys and
-    values of D per head. The whole layout as one group below MIN_GROUPED_BLOCK_KEYS block keys (there the copies
-    cost more than they save, measured on CPU).
+    values of D per head; of those that copy at most MAX_PACKED_COPIES_RATIO times the whole mask's keys. The whole
+    layout as one group below MIN_GROUPED_BLOCK_KEYS block keys (there the copies cost more than they save,
+    measured on CPU).
 
     Not "the fewest under a key budget, else the whole mask": a micro-batch of many sequences then fell back to the
     whole mask, whose keys grow with the square of the micro-batch (H200, SmolLM2 drafter, 1,728 blocks after
@@ -457,12 +465,17 @@ def packed_blocks_per_group(layout: PackedLayout, head_dim: int) -> int:
     lo, hi = lo.cpu(), hi.cpu()
     candidates = [1 << i for i in range(n.bit_length()) if (1 << i) < n and n % (1 << i) == 0] + [n]
 
-    def cost(group: int) -> int:
+    def keys_per_query(group: int) -> int:
         starts, ends = _group_windows(lo, hi, group)
-        keys = int((ends - starts).max()) + group * bk
-        return keys * (n * bk + 2 * head_dim * (n // group))
+        return int((ends - starts).max()) + group * bk
 
-    return min(candidates, key=cost)
+    def cost(group: int) -> int:
+        return keys_per_query(group) * (n * bk + 2 * head_dim * (n // group))
+
+    # The memory plan (memory_plan.step_bytes) counts on at most this many copied keys.
+    affordable = [g for g in candidates if g == n or (n // g) * keys_per_query(g) <= MAX_PACKED_COPIES_RATIO *
+                  layout.num_keys]
+    return min(affordable, key=cost)
 
 
 def packed_groups(layout: PackedLayout, sliding_window: int | None = None,

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from dflash.shared.errors import UserError
+from dflash.stage2_train.attention_masks import MAX_PACKED_COPIES_RATIO
 
 SAFETY = 1.25  # the estimate is multiplied by this before it is compared with the limit
 CPU_HEADROOM_BYTES = 1 << 30  # left free on a CPU machine for the loader workers' interpreters and the page cache
@@ -61,12 +62,13 @@ def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:
     h, i, d = shape.hidden, shape.intermediate, shape.head_dim
     qh, kvh = shape.heads * d, shape.kv_heads * d
     context = context_tokens * (shape.context_dim * (b + 1) + h * (2 * b + 2 * fp32))
-    # Per layer: norms (input and float32 copy), q/k/v and their norms and RoPE copies, the keys as the grouped
-    # attention expands them to every query head (up to twice the whole mask's keys), the boolean mask, the
-    # attention output, o_proj and the residuals, and the SwiGLU intermediates.
+    # Per layer: norms (input and float32 copy), q/k/v and their norms and RoPE copies, the keys and values as the
+    # grouped attention copies and expands them to every query head (up to MAX_PACKED_COPIES_RATIO times the whole
+    # mask's keys), the boolean mask (the whole one: an upper bound), the attention output, o_proj and the
+    # residuals, and the SwiGLU intermediates.
     norms = 2 * q * h * (b + 2 * fp32)
     projections = q * qh * (3 * b + 2 * fp32) + k * h * b + k * kvh * (4 * b + 2 * fp32)
-    grouped_keys = 2 * 2 * k * qh * b
+    grouped_keys = 2 * MAX_PACKED_COPIES_RATIO * k * qh * b
     mask = 2 * q * k
     attention_out = q * qh * b * 2 + q * h * b * 2
     mlp = q * (4 * i * b + h * b)

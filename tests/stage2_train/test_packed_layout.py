@@ -179,11 +179,12 @@ def test_padding_blocks_see_only_themselves_and_the_reference_layout_agrees() ->
 def test_many_sequences_get_the_cheapest_group_size_not_the_whole_mask() -> None:
     """A micro-batch of many sequences (30 answers, density 1/6, blocks of 16): the rule picks the group size whose
     cost, (W_G + G * Bk) * (N * Bk + 2 * D * N / G), is the least over the candidates, computed here from the anchor
-    lists; each query then scores at least 5x fewer keys than over the whole mask (the rule used to fall back to
-    the whole mask for such micro-batches, whose keys grow with the square of the micro-batch)."""
+    lists, among those that copy at most MAX_PACKED_COPIES_RATIO times the whole mask's keys (what the memory plan
+    counts on); each query then scores at least 5x fewer keys than over the whole mask (the rule used to fall back
+    to the whole mask for such micro-batches, whose keys grow with the square of the micro-batch)."""
     import math
 
-    from dflash.stage2_train.attention_masks import packed_blocks_per_group, packed_groups
+    from dflash.stage2_train.attention_masks import MAX_PACKED_COPIES_RATIO, packed_blocks_per_group, packed_groups
     from dflash.stage2_train.data import bucket
 
     generator = torch.Generator().manual_seed(0)
@@ -207,9 +208,14 @@ def test_many_sequences_get_the_cheapest_group_size_not_the_whole_mask() -> None
             widest = max(widest, max(e for _, e in members) - min(b for b, _ in members))
         return (widest + group * 16) * (n * 16 + 2 * head_dim * (n // group))
 
+    def copies(group: int) -> int:
+        return (n // group) * (cost(group) // (n * 16 + 2 * head_dim * (n // group)))
+
     candidates = [g for g in (2 ** i for i in range(n.bit_length())) if g < n and n % g == 0] + [n]
+    affordable = [g for g in candidates if g == n or copies(g) <= MAX_PACKED_COPIES_RATIO * layout.num_keys]
     chosen = packed_blocks_per_group(layout, head_dim)
-    assert cost(chosen) == min(cost(g) for g in candidates) and chosen < n
+    assert cost(chosen) == min(cost(g) for g in affordable) and chosen < n
+    assert len(affordable) < len(candidates)  # the cap on copied keys (the memory plan's bound) excluded some
     groups = packed_groups(layout, head_dim=head_dim)
     assert groups.mask.shape[0] == n // chosen
     assert (groups.window + chosen * 16) * 5 <= layout.num_keys
