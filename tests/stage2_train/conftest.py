@@ -1,0 +1,32 @@
+"""What the stage-2 CLI tests share: the training flags of a small, fast run and one cache extracted from the
+embedded SmolLM2 target, built once per test process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_conversations, run_dflash, step_records
+
+# Small and fast on 2 CPU cores, but the real model, data path, loss and loop.
+TRAIN_ARGS = ("--draft-layers", "1", "--max-anchors", "24", "--batch-tokens", "2304", "--num-workers", "1",
+              "--eval-fraction", "0.05", "--eval-sequences", "6", "--test-fraction", "0.1", "--mixed-precision", "no")
+# The validation (hash < 0.05) and test (0.05 <= hash < 0.15) splits: the training split is the one of a run that
+# held out 0.15 for validation alone.
+SPLIT = (0.05, 0.1)
+
+
+@pytest.fixture(scope="session")
+def train_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    data = tmp_path_factory.mktemp("train_data") / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)))
+    out = tmp_path_factory.mktemp("train_cache") / "cache"
+    run_dflash("extract", "--data", str(data), "--out", str(out), "--max-length", "128", "--workers", "2",
+               "--batch-tokens", "1024", check=True)
+    return out
+
+
+def final_losses(run: Path) -> dict[int, float]:
+    return {step: record["loss"] for step, record in step_records(run).items()}
