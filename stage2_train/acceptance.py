@@ -180,6 +180,18 @@ def tau_standard_error(tokens: Sequence[int], steps: Sequence[int]) -> float:
     return math.sqrt(n / (n - 1) * residuals) / total_steps
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with every NaN or infinite float (a mean over nothing, the error of fewer than 2 units) as None,
+    through dicts, lists and tuples: JSON has no NaN."""
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def _run_ends(loss_mask: np.ndarray) -> np.ndarray:
     """[S + 1] int: for each position i, the first position >= i whose loss_mask is 0 (S if none)."""
     seq_len = loss_mask.shape[0]

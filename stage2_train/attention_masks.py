@@ -436,6 +436,14 @@ class PackedGroups:
 MAX_PACKED_COPIES_RATIO = 6
 
 
+def _block_windows(layout: PackedLayout) -> tuple[Tensor, Tensor]:
+    """Each block's context window [lo, hi) on the flat context axis; a padding block's is empty (lo = C, hi = 0)."""
+    lo = torch.where(layout.block_valid, layout.block_context_start,
+                     torch.full_like(layout.block_anchor, layout.context_len))
+    hi = torch.where(layout.block_valid, layout.block_context_start + layout.block_anchor, torch.zeros_like(lo))
+    return lo, hi
+
+
 def _group_windows(lo: Tensor, hi: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """Each group of `group` consecutive blocks: the start and end of the context window its blocks may see."""
     ends = hi.view(-1, group).amax(1)
@@ -458,24 +466,16 @@ def packed_blocks_per_group(layout: PackedLayout, head_dim: int) -> int:
     n, bk = layout.num_blocks, layout.block_size
     if n * bk < MIN_GROUPED_BLOCK_KEYS:
         return max(n, 1)
-    ctx_len = layout.context_len
-    # One transfer, then every candidate on the host.
-    lo = torch.where(layout.block_valid, layout.block_context_start, torch.full_like(layout.block_anchor, ctx_len))
-    hi = torch.where(layout.block_valid, layout.block_context_start + layout.block_anchor, torch.zeros_like(lo))
-    lo, hi = lo.cpu(), hi.cpu()
+    lo, hi = (x.cpu() for x in _block_windows(layout))  # one transfer, then every candidate on the host
     candidates = [1 << i for i in range(n.bit_length()) if (1 << i) < n and n % (1 << i) == 0] + [n]
-
-    def keys_per_query(group: int) -> int:
+    keys_per_query = {}
+    for group in candidates:
         starts, ends = _group_windows(lo, hi, group)
-        return int((ends - starts).max()) + group * bk
-
-    def cost(group: int) -> int:
-        return keys_per_query(group) * (n * bk + 2 * head_dim * (n // group))
-
+        keys_per_query[group] = int((ends - starts).max()) + group * bk
     # The memory plan (memory_plan.step_bytes) counts on at most this many copied keys.
-    affordable = [g for g in candidates if g == n or (n // g) * keys_per_query(g) <= MAX_PACKED_COPIES_RATIO *
-                  layout.num_keys]
-    return min(affordable, key=cost)
+    affordable = [g for g in candidates
+                  if g == n or (n // g) * keys_per_query[g] <= MAX_PACKED_COPIES_RATIO * layout.num_keys]
+    return min(affordable, key=lambda g: keys_per_query[g] * (n * bk + 2 * head_dim * (n // g)))
 
 
 def packed_groups(layout: PackedLayout, sliding_window: int | None = None,
@@ -485,8 +485,7 @@ def packed_groups(layout: PackedLayout, sliding_window: int | None = None,
     if sliding_window is not None and sliding_window < layout.block_size:
         raise ValueError(f"sliding_window={sliding_window} must be >= block_size={layout.block_size}")
     n, bk, ctx_len, device = layout.num_blocks, layout.block_size, layout.context_len, layout.device
-    lo = torch.where(layout.block_valid, layout.block_context_start, torch.full_like(layout.block_anchor, ctx_len))
-    hi = torch.where(layout.block_valid, layout.block_context_start + layout.block_anchor, torch.zeros_like(lo))
+    lo, hi = _block_windows(layout)
     if num_blocks_per_group is None:
         num_blocks_per_group = packed_blocks_per_group(layout, head_dim)
     if n % max(num_blocks_per_group, 1):

@@ -43,7 +43,7 @@ from dflash.shared.errors import UserError
 from dflash.shared.logs import get_logger
 from dflash.shared.run_files import TARGET_INFO_FILE, run_of_export
 from dflash.shared.target_layers import embedding_scale
-from dflash.stage2_train.acceptance import offline_acceptance, tau_standard_error
+from dflash.stage2_train.acceptance import json_safe, offline_acceptance, tau_standard_error
 from dflash.stage2_train.export import load_draft, read_target_info
 from dflash.stage2_train.target_parts import scaled_embedding
 from dflash.stage2_train.speculative import (
@@ -481,16 +481,6 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 # ---------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------
@@ -650,7 +640,7 @@ def run_eval(
         report["training"] = training
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".eval.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(_json_safe(report), indent=2) + "\n")
+    tmp.write_text(json.dumps(json_safe(report), indent=2) + "\n")
     os.replace(tmp, out_dir / "eval.json")
     write_markdown(report, out_dir / "eval.md")
     write_plot(report, out_dir / "eval.png")

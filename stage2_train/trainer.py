@@ -12,7 +12,6 @@ the update is the same for any split of the global batch over processes and accu
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -23,7 +22,7 @@ from torch import Tensor
 
 from dflash.shared.logs import get_logger
 from dflash.shared.run_files import BEST_RECORD_FILE, WEIGHTS_FILE
-from dflash.stage2_train.acceptance import offline_acceptance
+from dflash.stage2_train.acceptance import json_safe, offline_acceptance
 from dflash.stage2_train.checkpoints import has_checkpoint, save_checkpoint
 from dflash.stage2_train.data import (
     eval_sequences,
@@ -257,9 +256,7 @@ def report_test_split(run: TrainingRun, feature_transform: FeatureTransform | No
     report = {"split": "test", "drafter": chosen.name, "step": selected["step"],
               "validation_tau_walk": selected.get("tau_walk"), **result,
               "tau_walk_ci95": [result["tau_walk"] - half_width, result["tau_walk"] + half_width]}
-    finite = {k: ([x if math.isfinite(x) else None for x in v] if k == "tau_walk_ci95" else
-                  v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in report.items()}
-    run.files.test_results.write_text(json.dumps(finite, indent=2) + "\n")
+    run.files.test_results.write_text(json.dumps(json_safe(report), indent=2) + "\n")
     log.info("test split, %d sequences never used for training or selection: tau %.3f +- %.3f (s.e.; 95%% CI "
              "%.3f-%.3f) for %s/ (step %d) -> %s", result["sequences"], result["tau_walk"], result["tau_walk_stderr"],
              *report["tau_walk_ci95"], chosen.name, selected["step"], run.files.test_results)

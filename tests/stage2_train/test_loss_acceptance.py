@@ -450,3 +450,16 @@ def test_acceptance_table_on_cuda_matches_cpu() -> None:
         result = offline_acceptance(model, embed.cuda(), head.cuda(),
                                     [make_sequence(ids, features, (torch.arange(seq_len) >= 3).long())])
         assert result["steps"] >= 1
+
+
+def test_json_safe_turns_every_nan_and_infinity_into_null() -> None:
+    import json
+    import math
+
+    from dflash.stage2_train.acceptance import json_safe
+
+    report = {"tau": math.nan, "ci": (1.0, math.inf), "by_position": [0.5, -math.inf], "steps": 3,
+              "nested": {"x": [math.nan, {"y": 2.5}]}, "name": "test"}
+    assert json_safe(report) == {"tau": None, "ci": [1.0, None], "by_position": [0.5, None], "steps": 3,
+                                 "nested": {"x": [None, {"y": 2.5}]}, "name": "test"}
+    json.dumps(json_safe(report), allow_nan=False)  # valid JSON
