@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dflash.stage2_train.attention_masks import (  # noqa: E402
     AnchorLayout,
@@ -41,10 +42,9 @@ from dflash.stage2_train.attention_masks import (  # noqa: E402
     packed_dense_mask,
 )
 from dflash.stage2_train.data import bucket  # noqa: E402
-from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target  # noqa: E402
+from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel, config_from_target  # noqa: E402
 
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, head_dim=64, vocab_size=49152)
+from bench_grouped_attention import SHAPES, synchronize  # noqa: E402
 
 
 def draw_sequences(args: argparse.Namespace, generator: torch.Generator) -> tuple[list[int], list[list[int]]]:
@@ -65,6 +65,31 @@ def draw_sequences(args: argparse.Namespace, generator: torch.Generator) -> tupl
         lengths.append(length)
         anchors.append(chosen.tolist())
         used += cost
+
+
+def packed_inputs(args: argparse.Namespace, generator: torch.Generator, config: DFlashConfig, device: torch.device,
+                  dtype: torch.dtype) -> tuple[list[int], list[list[int]], PackedLayout, torch.Tensor, torch.Tensor]:
+    """One micro-batch as training packs it: (lengths, anchors, layout, context features, block embeddings)."""
+    lengths, anchors = draw_sequences(args, generator)
+    layout = PackedLayout.from_anchor_lists(anchors, lengths, args.block_size,
+                                            num_blocks=bucket(sum(len(a) for a in anchors), 8),
+                                            context_len=bucket(sum(lengths)), device=device)
+    width = config.num_context_layers * config.hidden_size
+    context = torch.randn(1, layout.context_len, width, generator=generator).to(device, dtype)
+    noise = torch.randn(1, layout.num_queries, config.hidden_size, generator=generator).to(device, dtype)
+    return lengths, anchors, layout, context, noise
+
+
+def timed_step(model: DFlashDraftModel, inputs: tuple, device: torch.device) -> tuple[float, torch.Tensor]:
+    """One forward and backward of the drafter (no LM head): (seconds, its output)."""
+    synchronize(device)
+    started = time.perf_counter()
+    out = model(*inputs)
+    out.float().square().mean().backward()
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    model.zero_grad(set_to_none=True)
+    return seconds, out
 
 
 def main() -> None:
@@ -92,15 +117,11 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator().manual_seed(0)
-    lengths, anchors = draw_sequences(args, generator)
     bk = args.block_size
-    blocks = sum(len(a) for a in anchors)
-    layout = PackedLayout.from_anchor_lists(anchors, lengths, bk, num_blocks=bucket(blocks, 8),
-                                            context_len=bucket(sum(lengths)), device=device)
-    config = config_from_target(SMOLLM2, None, args.layers, bk, mask_token_id=0)
+    config = config_from_target(SHAPES["smollm2"], None, args.layers, bk, mask_token_id=0)
     width = config.num_context_layers * config.hidden_size
-    context = torch.randn(1, layout.context_len, width, generator=generator).to(device, dtype)
-    noise = torch.randn(1, layout.num_queries, config.hidden_size, generator=generator).to(device, dtype)
+    lengths, anchors, layout, context, noise = packed_inputs(args, generator, config, device, dtype)
+    blocks = sum(len(a) for a in anchors)
     group = packed_blocks_per_group(layout, config.head_dim)
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "dtype": str(dtype), "torch": torch.__version__, "drafter": f"SmolLM2 shape, {args.layers} layers",
@@ -131,17 +152,11 @@ def main() -> None:
         try:
             for step in range(args.steps + 1):
                 if device.type == "cuda":
-                    torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     before = torch.cuda.memory_allocated()
-                started = time.perf_counter()
-                out = model(*args_for)
-                out.float().square().mean().backward()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                seconds, out = timed_step(model, args_for, device)
                 if step:
-                    times.append(time.perf_counter() - started)
-                model.zero_grad(set_to_none=True)
+                    times.append(seconds)
         except torch.OutOfMemoryError as error:
             result["variants"][variant] = {"error": str(error).splitlines()[0]}
             print(f"{variant}: out of memory", flush=True)
@@ -167,9 +182,7 @@ def main() -> None:
 def shape_sweep(args: argparse.Namespace) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    bk = args.block_size
-    config = config_from_target(SMOLLM2, None, args.layers, bk, mask_token_id=0)
-    width = config.num_context_layers * config.hidden_size
+    config = config_from_target(SHAPES["smollm2"], None, args.layers, args.block_size, mask_token_id=0)
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}, "variants": {}}
     for variant in args.variants.split(","):
@@ -180,24 +193,10 @@ def shape_sweep(args: argparse.Namespace) -> None:
         draws = []
         started_all = time.perf_counter()
         for draw in range(args.draws):
-            generator = torch.Generator().manual_seed(draw)
-            lengths, anchors = draw_sequences(args, generator)
-            blocks = sum(len(a) for a in anchors)
-            layout = PackedLayout.from_anchor_lists(anchors, lengths, bk, num_blocks=bucket(blocks, 8),
-                                                    context_len=bucket(sum(lengths)), device=device)
-            context = torch.randn(1, layout.context_len, width, generator=generator).to(device, dtype)
-            noise = torch.randn(1, layout.num_queries, config.hidden_size, generator=generator).to(device, dtype)
-            times = []
-            for _ in range(2):
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                started = time.perf_counter()
-                model(noise, context, layout.query_position_ids(), layout.context_position_ids(),
-                      layout).float().square().mean().backward()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - started)
-                model.zero_grad(set_to_none=True)
+            _, _, layout, context, noise = packed_inputs(args, torch.Generator().manual_seed(draw), config, device,
+                                                         dtype)
+            inputs = (noise, context, layout.query_position_ids(), layout.context_position_ids(), layout)
+            times = [timed_step(model, inputs, device)[0] for _ in range(2)]
             draws.append({"num_blocks": layout.num_blocks, "context_len": layout.context_len, "first_s": times[0],
                           "second_s": times[1]})
             print(f"{variant} draw {draw}: {layout.num_blocks} blocks, context {layout.context_len}: "
