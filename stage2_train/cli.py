@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from dflash.stage2_train.objective import OBJECTIVES
 from dflash.stage2_train.options import TrainOptions
@@ -118,6 +119,10 @@ def train_command(processes: int | None, compile_: bool, **kwargs: object) -> No
     """
     from dflash.shared.interrupts import exit_on_interrupt, rerun_command
 
+    if click.get_current_context().get_parameter_source("kl_weight") == ParameterSource.COMMANDLINE \
+            and kwargs["loss"] != "mix":
+        raise click.BadParameter(f"it weighs the KL term of --loss mix only; --loss {kwargs['loss']} would ignore "
+                                 "it: add --loss mix, or leave --kl-weight out", param_hint="--kl-weight")
     resume = rerun_command("--resume", drop_flags=("--overwrite",))
     with exit_on_interrupt("train", f"the last checkpoint is kept; continue with: {resume}"):
         _train(processes, compile_, kwargs)

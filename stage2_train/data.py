@@ -498,11 +498,13 @@ class CacheBatches(IterableDataset):
     padding at the end), sequence by sequence with anchors sorted; sample_keys long [B, 2] (shard, row) and
     position (int: the micro-batch's index in this rank's plan). Anchors: `sample_anchors` with `rule`. A cache with
     the target's top-k adds topk_ids int32 [C, K] and topk_logprobs float16 [C, K]: at each supervised position
-    (`cache_format.topk_positions`) the target's prediction for the token there, zeros elsewhere.
+    (`cache_format.topk_positions`) the target's prediction for the token there, zeros elsewhere; `read_topk=False`
+    leaves them unread (an objective that does not use them).
     """
 
     def __init__(self, cache_dir: Path | str, plan: Sequence[Sequence[Sample]], start: int = 0, *, epoch: int,
-                 seed: int, rule: AnchorRule | None = None, bucket_multiple: int = DEFAULT_BUCKET_MULTIPLE) -> None:
+                 seed: int, rule: AnchorRule | None = None, bucket_multiple: int = DEFAULT_BUCKET_MULTIPLE,
+                 read_topk: bool = True) -> None:
         super().__init__()
         if not 0 <= start <= len(plan):
             raise ValueError(f"start={start} outside 0..{len(plan)}")
@@ -513,7 +515,7 @@ class CacheBatches(IterableDataset):
         self.bucket_multiple = int(bucket_multiple)
         manifest = cf.read_manifest(self.cache_dir)
         self.codec = manifest_codec(manifest)
-        self.topk = cf.TopKFormat.of_manifest(manifest)
+        self.topk = cf.TopKFormat.of_manifest(manifest) if read_topk else None
         # Compact arrays instead of Python objects: cheap to pickle into spawned workers.
         sizes = np.array([len(batch) for batch in plan], dtype=np.int64)
         self._bounds = np.zeros(len(plan) + 1, dtype=np.int64)

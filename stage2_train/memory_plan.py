@@ -4,6 +4,11 @@ accumulated (the same samples, the same global step, the same result up to float
 not fit even alone stops the run before it starts, with one line naming the estimate, the limit and the flag to
 change. Nothing is left to the kernel's OOM killer, which ends a process without a word.
 
+The estimate can still be wrong where the plan cannot see: another process on the same GPU that grows after the
+plan was made, fragmentation. A step that runs out of memory all the same is retried (`trainer.train_step`) with
+its micro-batches cut smaller (`MemoryPlan.after_out_of_memory`), which gives the same update; one that fails with a
+single sequence per micro-batch stops with the one line above.
+
 The estimate counts what autograd keeps per drafter layer for Q block queries over K = C + Q keys (projections,
 norms in float32, RoPE copies, the grouped keys, the mask, the SwiGLU intermediates), the context projection, one
 chunk of the fused loss, the transient gradients of one layer in the backward, and the optimizer state that the
@@ -13,7 +18,8 @@ it errs on the high side; the planned and measured peaks of every run are logged
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +180,44 @@ class MemoryPlan:
             context, count = context + length, count + n
         ranges.append((first, len(lengths)))
         return ranges
+
+
+    def part_sizes(self, lengths: np.ndarray, blocks: np.ndarray) -> list[tuple[int, int]]:
+        """(estimated bytes, sequences) of each part that `parts` cuts this micro-batch into."""
+        return [(int(step_bytes(self.shape, int(lengths[a:b].sum()), int(blocks[a:b].sum()))), b - a)
+                for a, b in self.parts(lengths, blocks)]
+
+    def after_out_of_memory(self, failed_parts: list[tuple[int, int]]) -> MemoryPlan | None:
+        """The plan for retrying a step that ran out of memory with these parts ((estimated bytes, sequences) of
+        every micro-batch of the step): a budget that leaves the costliest part of several sequences half of what
+        its sequences add to the fixed cost of any step (the loss chunk), so that this part is cut again, and not
+        at once into single sequences. When every part is a single sequence there is nothing left to cut (None)."""
+        several = [size for size, sequences in failed_parts if sequences > 1]
+        if not several:
+            return None
+        base = int(step_bytes(self.shape, 0, 0))
+        return replace(self, budget_bytes=base + (min(self.budget_bytes, max(several)) - base) // 2)
+
+
+# Tests only: `dflash train` with this variable set to N raises a fake out-of-memory error in the step of every
+# micro-batch that packs more than N sequences (after its backward), so the retry is tested on any machine.
+FAKE_OOM_SEQUENCES_ENV = "DFLASH_FAKE_OOM_SEQUENCES"
+
+
+def fake_oom_sequences() -> int | None:
+    value = os.environ.get(FAKE_OOM_SEQUENCES_ENV)
+    return int(value) if value else None
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """An allocation failure a step can recover from: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError
+    (a malloc that failed, e.g. under `ulimit -v`; a cgroup cap is planned for instead, since its OOM killer raises
+    nothing)."""
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
 
 def make_plan(shape: DrafterShape, largest: tuple[int, int], longest: tuple[int, int], limit_bytes: int,

@@ -39,6 +39,7 @@ class MicroBatch:
     block_ids: Tensor  # [1, N, Bk] block inputs: [anchor token, MASK, ...]
     labels: Tensor  # [1, N, Bk] the target's tokens at offsets 1..Bk-1, -100 where not supervised
     layout: PackedLayout  # where the sequences and their blocks sit, for the attention masks and positions
+    sequences: int = 1  # how many sequences it packs
     # The target's top-k next-token distribution of each label position (a cache extracted with
     # --store-target-topk; else None): ids [1, N, Bk, K] int32 and log-probabilities [1, N, Bk, K] float16.
     topk_ids: Tensor | None = None

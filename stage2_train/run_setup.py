@@ -30,9 +30,9 @@ from dflash.stage2_train.data import (
 )
 from dflash.stage2_train.draft_model import DFlashConfig, DFlashDecoderLayer, DFlashDraftModel, config_from_target
 from dflash.stage2_train.loss import default_gamma, position_weights
-from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, in_use_bytes, limit_from_option,
-                                             make_plan, step_bytes)
-from dflash.stage2_train.objective import OBJECTIVES, Objective, bind_options, check_cache_for
+from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, fake_oom_sequences, in_use_bytes,
+                                             limit_from_option, make_plan, step_bytes)
+from dflash.stage2_train.objective import NEEDS_TARGET_TOPK, OBJECTIVES, Objective, bind_options, check_cache_for
 from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.target_init import init_from_target
 from dflash.stage2_train.target_parts import TargetParts, load_target_parts, resolve_mask_token
@@ -81,6 +81,9 @@ class TrainingRun:
     steps_per_epoch: int
     total_steps: int
     memory: MemoryPlan | None = None  # how micro-batches are split to fit the device (`plan_memory`)
+    out_of_memory_retries: int = 0  # steps that ran out of memory all the same and were retried smaller
+    # Tests only: a micro-batch of more sequences than this raises a fake out-of-memory error (FAKE_OOM_SEQUENCES_ENV)
+    fake_oom_sequences: int | None = field(default_factory=fake_oom_sequences)
     state: TrainState = field(default_factory=TrainState)
     target_init: dict[str, Any] | None = None  # what --init-from-target copied (`target_init.init_from_target`)
     best_tau: float = -math.inf  # the best validation walk tau after step 0 (export_best/)
@@ -118,7 +121,8 @@ class TrainingRun:
         """This rank's micro-batches of `epoch` from plan position `position` on (CPU tensors)."""
         plan = plan if plan is not None else self.plan(epoch)
         dataset = CacheBatches(self.cache, plan[self.rank :: self.world], start=position, epoch=epoch,
-                               seed=self.options.seed, rule=self.anchor_rule, bucket_multiple=self.bucket_multiple)
+                               seed=self.options.seed, rule=self.anchor_rule, bucket_multiple=self.bucket_multiple,
+                               read_topk=self.options.loss in NEEDS_TARGET_TOPK)
         return make_loader(dataset, self.options.num_workers)
 
     def whole_drafter(self) -> DFlashDraftModel | None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflash.shared.errors import UserError
 from dflash.shared.logs import get_logger
 from dflash.shared.run_files import BEST_RECORD_FILE, WEIGHTS_FILE
 from dflash.stage2_train.acceptance import json_safe, offline_acceptance
@@ -35,7 +36,7 @@ from dflash.stage2_train.data import (
 from dflash.stage2_train.draft_model import DFlashDraftModel
 from dflash.stage2_train.export import export_draft, load_draft
 from dflash.stage2_train.loss import weight_sum
-from dflash.stage2_train.memory_plan import GIB, measured_peak_bytes
+from dflash.stage2_train.memory_plan import FAKE_OOM_SEQUENCES_ENV, GIB, is_out_of_memory, measured_peak_bytes
 from dflash.stage2_train.objective import MicroBatch
 from dflash.stage2_train.run_setup import TrainingRun, TrainOptions, setup_run
 
@@ -61,8 +62,7 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
     window_tokens = 0
     steps = step_batches(run)
     while run.state.step < run.total_steps:
-        micro = [part for batch in next(steps) for part in micro_batches(run, batch, feature_transform)]
-        record = train_step(run, micro)
+        record = train_step(run, next(steps), feature_transform)
         run.state.position += options.grad_accum
         record["elapsed_s"] = round(time.time() - started, 3)
         window_tokens += record.pop("block_tokens")
@@ -87,9 +87,10 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
         log.info("--compile: %d graphs compiled", counters["stats"]["unique_graphs"])
     peak = measured_peak_bytes(run.device)
     log.info("memory: planned peak %.2f GiB, measured %.2f GiB above the %.2f GiB in use when planned (%s peak %.2f "
-             "GiB)", run.memory.planned_peak_bytes / GIB, (peak - run.memory.in_use_bytes) / GIB,
+             "GiB)%s", run.memory.planned_peak_bytes / GIB, (peak - run.memory.in_use_bytes) / GIB,
              run.memory.in_use_bytes / GIB, "CUDA allocated" if run.device.type == "cuda" else "resident set",
-             peak / GIB)
+             peak / GIB, f"; out of memory {run.out_of_memory_retries} time(s), each step retried in smaller "
+             "micro-batches" if run.out_of_memory_retries else "")
     if not has_checkpoint(run):
         save_checkpoint(run)
     whole = run.whole_drafter()  # one gather under FSDP serves the final evaluation and the export
@@ -147,7 +148,7 @@ def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
     topk_ids, topk_logprobs = (None, None) if topk is None else (t.to(device, non_blocking=True) for t in topk)
     return MicroBatch(features=features[None], block_ids=block_ids.to(device, non_blocking=True),
                       labels=labels.to(device, non_blocking=True), layout=layout.to(device, non_blocking=True),
-                      topk_ids=topk_ids, topk_logprobs=topk_logprobs)
+                      sequences=len(batch["lengths"]), topk_ids=topk_ids, topk_logprobs=topk_logprobs)
 
 
 def forward_loss(run: TrainingRun, micro: MicroBatch, global_weight_sum: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -160,8 +161,58 @@ def forward_loss(run: TrainingRun, micro: MicroBatch, global_weight_sum: Tensor)
     return run.objective(hidden, run.lm_head, micro, run.position_weights, global_weight_sum)
 
 
-def train_step(run: TrainingRun, micro_batches: list[MicroBatch]) -> dict[str, Any]:
-    """One optimizer step over this rank's micro-batches of a global step; returns the step's metrics record."""
+def train_step(run: TrainingRun, loader_batches: list[dict[str, Any]],
+               feature_transform: FeatureTransform | None = None) -> dict[str, Any]:
+    """One optimizer step over this rank's loader batches of a global step, as the micro-batches of the memory
+    plan; returns the step's metrics record.
+
+    A step that runs out of memory all the same (another process on the GPU grew after the plan was made, say) is
+    not lost: its gradients are dropped and it is run again from the same loader batches cut into smaller
+    micro-batches, which gives the same update, and the smaller budget stays for the rest of the run. Only where
+    every micro-batch is already a single sequence, or where several processes train together (the others could
+    not follow the retry), does it stop, in one line naming the flags."""
+    while True:
+        micro = [part for batch in loader_batches for part in micro_batches(run, batch, feature_transform)]
+        try:
+            accumulated = accumulate_gradients(run, micro)
+            break
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not is_out_of_memory(error):
+                raise
+            reason = str(error).strip().splitlines()[0][:200]
+        # Out of the except block, so that the failed step's tensors (held by the traceback) can be freed.
+        del micro
+        run.optimizer.zero_grad(set_to_none=True)
+        if run.device.type == "cuda":
+            torch.cuda.empty_cache()
+        retry_smaller(run, loader_batches, reason)
+    return update_weights(run, *accumulated)
+
+
+def retry_smaller(run: TrainingRun, loader_batches: list[dict[str, Any]], reason: str) -> None:
+    """After a step ran out of memory: a memory plan that cuts its micro-batches smaller, or a one-line stop."""
+    assert run.memory is not None
+    failed = [size for b in loader_batches for size in run.memory.part_sizes(b["lengths"].numpy(), sequence_blocks(b))]
+    smaller = run.memory.after_out_of_memory(failed) if run.world == 1 and not run.options.fsdp else None
+    if smaller is None:
+        where = (f"with one sequence per micro-batch ({max(failed)[0] / GIB:.2f} GiB estimated)" if run.world == 1
+                 else f"on one of {run.world} processes, which cannot retry it alone")
+        raise UserError(f"training step {run.state.step + 1} ran out of memory on {run.device} {where} ({reason}): "
+                        "set --memory-limit to what this run may use, or lower --batch-tokens, --max-anchors or "
+                        "--anchor-density, or train fewer --draft-layers; --resume continues from the last "
+                        "checkpoint")
+    run.out_of_memory_retries += 1
+    log.warning("training step %d ran out of memory on %s (%s): retrying it in smaller micro-batches (budget %.2f "
+                "GiB per micro-batch, was %.2f), the same samples and the same update", run.state.step + 1,
+                run.device, reason, smaller.budget_bytes / GIB, run.memory.budget_bytes / GIB)
+    run.memory = smaller
+
+
+def accumulate_gradients(run: TrainingRun, micro_batches: list[MicroBatch]
+                         ) -> tuple[Tensor, dict[str, Tensor], Tensor, Tensor, int]:
+    """Forward and backward over this rank's micro-batches of a global step, gradients accumulated; returns the
+    step's summed loss, its named loss terms, the correct and counted labels by block offset, and the block
+    tokens, for `update_weights`."""
     accelerator, options = run.accelerator, run.options
     local_weight = sum(weight_sum(m.labels, run.position_weights) for m in micro_batches)
     total_weight = accelerator.reduce(local_weight.detach().clone(), reduction="sum")
@@ -182,6 +233,16 @@ def train_step(run: TrainingRun, micro_batches: list[MicroBatch]) -> dict[str, A
         correct += stats["correct_by_position"].float()
         counted += stats["count_by_position"].float()
         block_tokens += int(micro.layout.block_valid.sum()) * options.block_size
+        if run.fake_oom_sequences is not None and micro.sequences > run.fake_oom_sequences:
+            raise torch.OutOfMemoryError(f"fake out-of-memory error ({FAKE_OOM_SEQUENCES_ENV}="
+                                         f"{run.fake_oom_sequences}, {micro.sequences} sequences)")
+    return step_loss, terms, correct, counted, block_tokens
+
+
+def update_weights(run: TrainingRun, step_loss: Tensor, terms: dict[str, Tensor], correct: Tensor, counted: Tensor,
+                   block_tokens: int) -> dict[str, Any]:
+    """The optimizer step after `accumulate_gradients`; returns the step's metrics record."""
+    accelerator, options = run.accelerator, run.options
     if options.clip:
         accelerator.clip_grad_norm_(run.model.parameters(), options.clip)
     run.optimizer.step()

@@ -37,3 +37,14 @@ def test_kl_on_a_cache_without_topk_names_the_cache_and_the_flag(baseline_cache:
     message = result.stderr.strip().splitlines()[-1]
     assert str(baseline_cache) in message and "--store-target-topk K" in message
     assert not (tmp_path / "run").exists()  # refused before the run directory is made
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl"])
+def test_a_kl_weight_that_the_loss_would_ignore_is_refused(baseline_cache: Path, tmp_path: Path, loss: str) -> None:
+    """--kl-weight weighs --loss mix only: given with another loss it is refused (exit 2) rather than silently
+    ignored, before the run directory is made."""
+    result = run_dflash("train", "--cache", str(baseline_cache), "--out", str(tmp_path / "run"), "--loss", loss,
+                        "--kl-weight", "0.3")
+    assert result.returncode == 2
+    assert "--kl-weight" in result.stderr and f"--loss {loss} would ignore it" in result.stderr
+    assert not (tmp_path / "run").exists()

@@ -191,6 +191,23 @@ def test_topk_cache_keeps_the_features_and_verifies(topk_cache: Path, baseline_c
     assert summary["verify"]["ok"]
 
 
+def test_the_training_loader_reads_the_topk_only_for_an_objective_that_uses_it(topk_cache: Path) -> None:
+    """The loader of `dflash train --loss kl|mix` yields the stored top-k beside the features; that of `--loss ce`
+    (read_topk=False) leaves the arrays unread and yields the same batches without them."""
+    from dflash.stage2_train.data import AnchorRule, CacheBatches, CacheIndex, plan_epoch
+
+    index = CacheIndex.from_cache(topk_cache, 0.0, 0)
+    plan = plan_epoch(index, 0, 0, 2048, 1, AnchorRule(None, 8, 16))[:3]
+    options = {"epoch": 0, "seed": 0, "rule": AnchorRule(None, 8, 16), "bucket_multiple": 8}
+    for position in range(len(plan)):
+        with_topk = CacheBatches(topk_cache, plan, **options).batch(position)
+        without = CacheBatches(topk_cache, plan, **options, read_topk=False).batch(position)
+        assert with_topk["topk_ids"].shape[1] == TOPK and int(with_topk["topk_ids"].count_nonzero()) > 0
+        assert set(with_topk) - set(without) == {"topk_ids", "topk_logprobs"}
+        for key, value in without.items():
+            assert torch.equal(value, with_topk[key]) if torch.is_tensor(value) else value == with_topk[key], key
+
+
 def _unsorted_topk_row(topk_cache: Path, cache: Path) -> None:
     """A copy of the cache whose shard 1 has a top-k row out of order, with valid checksums (zarr rewrote it)."""
     import shutil

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash.stage2_train.data import AnchorRule, CacheIndex, plan_epoch
 from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
@@ -78,6 +80,84 @@ def test_memory_plan_splits_micro_batches_to_the_same_losses_or_refuses(train_ca
     line = refused.stderr.strip().splitlines()[-1]
     assert line.startswith("dflash: error: one training step on the longest sequence") and "--max-anchors" in line
     assert "Traceback" not in refused.stderr and not (tmp_path / "refused" / "checkpoints").exists()
+
+
+def test_a_step_out_of_memory_is_retried_smaller_to_the_same_losses_or_stops(train_cache: Path,
+                                                                            unconstrained_run: Path,
+                                                                            tmp_path: Path) -> None:
+    """A step that runs out of memory although the plan let it through (here a fake error after the backward of
+    every micro-batch of more than 1 sequence, so that half-accumulated gradients must be dropped) is retried from
+    the same samples in smaller micro-batches: the same loss curve as the run that never ran out. When even single
+    sequences run out (a fake limit of 0), the run stops with one line naming the flags, exit 2, no traceback."""
+    from dflash.stage2_train.memory_plan import FAKE_OOM_SEQUENCES_ENV
+
+    common = ("train", "--cache", str(train_cache), *PLAN_ARGS)
+    retried = run_dflash(*common, "--out", str(tmp_path / "retried"), env={FAKE_OOM_SEQUENCES_ENV: "1"})
+    assert retried.returncode == 0, retried.stderr[-3000:]
+    assert "ran out of memory on cpu (fake out-of-memory error" in retried.stderr
+    assert "retrying it in smaller micro-batches" in retried.stderr
+    retries = int(re.search(r"; out of memory (\d+) time\(s\), each step retried in smaller micro-batches",
+                            (tmp_path / "retried" / "train.log").read_text()).group(1))
+    assert 1 <= retries <= 6  # the smaller budget stays: later steps do not run out again and again
+    expected, got = final_losses(unconstrained_run), final_losses(tmp_path / "retried")
+    assert sorted(got) == sorted(expected) == [1, 2, 3]
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+    stopped = run_dflash(*common, "--out", str(tmp_path / "stopped"), env={FAKE_OOM_SEQUENCES_ENV: "0"})
+    assert stopped.returncode == 2, stopped.stderr[-3000:]
+    line = stopped.stderr.strip().splitlines()[-1]
+    assert line.startswith("dflash: error: training step 1 ran out of memory on cpu with one sequence per "
+                           "micro-batch") and "--memory-limit" in line and "--max-anchors" in line
+    assert "Traceback" not in stopped.stderr
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 2000), min_size=1, max_size=30), data=st.data())
+def test_each_out_of_memory_retry_halves_the_budget_until_single_sequences(lengths: list[int], data: st.DataObject) -> None:
+    """`after_out_of_memory` always makes progress: each retry at least halves what the sequences of the costliest
+    part of several sequences that failed may add to a step's fixed cost, the new parts still cover the micro-batch in order, every part of
+    several sequences fits the new budget, and once all parts are single sequences it gives up (None), after a
+    few retries (the budget halves from the whole micro-batch's estimate down to the cheapest pair's)."""
+    import numpy as np
+
+    from dflash.stage2_train import memory_plan as mp
+
+    shape = mp.DrafterShape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, layers=2,
+                            context_dim=128, vocab=1000, block_size=16, element_bytes=4, trainable_params=10_000)
+    lengths_array = np.array(lengths)
+    blocks = np.array([data.draw(st.integers(1, max(1, n // 6))) for n in lengths])
+    plan = mp.make_plan(shape, (int(lengths_array.sum()), int(blocks.sum())), (2000, 400), 1 << 40, "test")
+    parts = plan.parts(lengths_array, blocks)
+    assert parts == [(0, len(lengths))]  # everything fits the plan
+    for retries in range(64):
+        sizes = plan.part_sizes(lengths_array, blocks)
+        smaller = plan.after_out_of_memory(sizes)
+        if smaller is None:
+            assert all(b - a == 1 for a, b in parts)
+            break
+        base = int(mp.step_bytes(shape, 0, 0))  # what any step costs, whatever its sequences (the loss chunk)
+        assert smaller.budget_bytes - base <= (max(size for size, sequences in sizes if sequences > 1) - base) // 2
+        cut = smaller.parts(lengths_array, blocks)
+        assert cut[0][0] == 0 and cut[-1][1] == len(lengths) and all(b > a for a, b in cut)
+        assert all(x[1] == y[0] for x, y in zip(cut, cut[1:]))
+        assert all(size <= smaller.budget_bytes for size, sequences in smaller.part_sizes(lengths_array, blocks)
+                   if sequences > 1)
+        plan, parts = smaller, cut
+    assert retries < 20
+
+
+def test_a_failed_cpu_allocation_counts_as_out_of_memory() -> None:
+    """The CPU allocator's failure (a real one: more bytes than any machine has) is recognised like CUDA's
+    OutOfMemoryError; other runtime errors are not."""
+    import torch
+
+    from dflash.stage2_train.memory_plan import is_out_of_memory
+
+    with pytest.raises(RuntimeError) as failed:
+        torch.empty(1 << 60, dtype=torch.uint8)
+    assert is_out_of_memory(failed.value)
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch")) and not is_out_of_memory(ValueError("x"))
 
 
 def _own_memory_cgroup() -> tuple[Path, str, str] | None:
