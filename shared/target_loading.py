@@ -172,11 +172,51 @@ def local_model_files(load_path: str) -> Path:
         ) from error
 
 
-def target_content_hash(load_path: str) -> str:
-    """A content hash of the target's config and weights (see `sampled_file_hash`)."""
+# The hash rule of caches and exports made from 2026-12-05 on: its hashes carry this prefix. The rule before it
+# (no prefix) also hashed what says where and by which library version a folder was written, so converting the
+# same GGUF again in another environment changed the hash, and eval, --init-from and resuming an extraction then
+# refused caches and drafters of the very same target.
+HASH_RULE = "v2:"
+# Keys of the model's JSON files that record how the folder was made or loaded, not what the model is.
+_PROVENANCE_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash", "local_files_only",
+                              "is_local"})
+_PROVENANCE_FILES = frozenset({"dflash_source.json"})  # written by the GGUF conversion: the GGUF's absolute path
+
+
+def target_content_hash(load_path: str, like: str | None = None) -> str:
+    """A content hash of the target: its weight files (`sampled_file_hash`), and its JSON files (config,
+    generation config, tokenizer) read as JSON without the keys and files that record only provenance.
+
+    `like`: a hash recorded earlier (a cache's manifest, an export): the hash of this target is computed by the
+    rule that one was, so that the two compare (a recorded hash without the rule's prefix is of the rule before)."""
     folder = local_model_files(load_path)
-    files = [p for p in folder.iterdir() if p.suffix in {".safetensors", ".bin", ".json"} and p.is_file()]
-    return sampled_file_hash(files)
+    files = sorted((p for p in folder.iterdir() if p.suffix in {".safetensors", ".bin", ".json"} and p.is_file()),
+                   key=lambda p: p.name)
+    if like is not None and not like.startswith(HASH_RULE):
+        return sampled_file_hash(files)
+    weights = sampled_file_hash([p for p in files if p.suffix != ".json"])
+    digest = hashlib.sha256(weights.encode())
+    for path in files:
+        if path.suffix == ".json" and path.name not in _PROVENANCE_FILES:
+            digest.update(f"{path.name}:{json.dumps(_without_provenance(json.loads(path.read_text())), sort_keys=True)}"
+                          .encode())
+    return HASH_RULE + digest.hexdigest()
+
+
+def _without_provenance(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_provenance(v) for k, v in value.items() if k not in _PROVENANCE_KEYS}
+    if isinstance(value, list):
+        return [_without_provenance(v) for v in value]
+    return value
+
+
+def same_target_hash(first: str | None, second: str | None) -> bool | None:
+    """Whether two recorded target hashes name the same target: None where they cannot tell (one is missing, or
+    they were computed by different rules)."""
+    if not first or not second or first.startswith(HASH_RULE) != second.startswith(HASH_RULE):
+        return None
+    return first == second
 
 
 def load_tokenizer(load_path: str) -> Any:

@@ -188,7 +188,7 @@ class GenerateRun:
                                     max_length=opts.max_length, max_turns=opts.max_turns, batch_tokens=1)
         identity = {
             "target_source": target.source or "embedded:SmolLM2-135M-Instruct",
-            "target_hash": target_content_hash(target.load_path),
+            "target_hash": target_content_hash(target.load_path, like=self._recorded_target_hash()),
             "tokenizer_hash": template_fingerprint(tokenizer),
             "data_fingerprint": data.fingerprint,
             **settings.identity(),
@@ -202,6 +202,11 @@ class GenerateRun:
         config = _WorkerConfig(self.out_dir, target.load_path, stop_token_ids(target.load_path, tokenizer), settings,
                                self.log_file, threads, opts.verbose)
         return sample_keys(data.conversations), data.conversations, config
+
+    def _recorded_target_hash(self) -> str | None:
+        """The target hash an earlier run of this output recorded (compared by its own rule: `target_content_hash`)."""
+        path = self.out_dir / SETTINGS_FILE
+        return json.loads(path.read_text())["identity"].get("target_hash") if path.is_file() else None
 
     def _check_settings(self, identity: dict[str, Any], source: str) -> None:
         path = self.out_dir / SETTINGS_FILE

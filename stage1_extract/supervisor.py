@@ -222,7 +222,8 @@ class Supervisor:
         num_shards = min(num_shards, len(data.conversations))
         identity = {
             "target_source": target.source or "embedded:SmolLM2-135M-Instruct",
-            "target_hash": target_content_hash(target.load_path),
+            "target_hash": target_content_hash(target.load_path,
+                                               like=existing["identity"].get("target_hash") if existing else None),
             "layer_ids": layer_ids,
             "hidden_size": hidden,
             "feature_dtype": opts.feature_dtype,

@@ -247,7 +247,7 @@ def check_target_identity(info: Mapping[str, Any], resolved: Any, draft_dir: Pat
     if not trained_for:
         log.warning("%s does not record the hash of its target: it cannot be checked", draft_dir)
         return
-    loaded = target_content_hash(resolved.load_path)
+    loaded = target_content_hash(resolved.load_path, like=trained_for)
     if loaded == trained_for:
         return
     message = (f"drafter {draft_dir} was trained for target {info.get('target_source') or 'embedded'} (hash "

@@ -353,6 +353,7 @@ def init_from_export(model: DFlashDraftModel, config: DFlashConfig, manifest: di
     """--init-from: start from an exported drafter's weights (a fresh optimizer and schedule), e.g. to go on
     training across sessions of a lent GPU or to fine-tune on new data. It must be the same drafter for the same
     target; a checkpoint found by --resume takes precedence (it is loaded afterwards)."""
+    from dflash.shared.target_loading import same_target_hash
     from dflash.stage2_train.export import load_draft_weights, read_target_info
 
     config_path = export_dir / CONFIG_FILE
@@ -362,9 +363,13 @@ def init_from_export(model: DFlashDraftModel, config: DFlashConfig, manifest: di
     differences = config_differences(config, json.loads(config_path.read_text()), "the export")
     trained_for = read_target_info(export_dir).get("target_hash")
     target_hash = manifest["identity"].get("target_hash")
-    if trained_for and target_hash and trained_for != target_hash:
+    same_target = same_target_hash(trained_for, target_hash)
+    if same_target is False:
         differences.append(f"target: the export was trained for target {trained_for}, this cache holds "
                            f"features of target {target_hash}")
+    elif same_target is None and trained_for and target_hash:
+        log.warning("--init-from: %s and the cache recorded their target's hash by different rules (one was made "
+                    "before 2026-12-05): the targets are not compared", export_dir)
     if differences:
         raise UserError(f"--init-from: the drafter in {export_dir} does not match:\n  " + "\n  ".join(differences)
                         + "\nstart from an export made with the same target and drafter flags")
