@@ -91,8 +91,15 @@ def confirm_overwrite(out: Path, yes: bool) -> None:
     (a pasted or scripted command must not destroy a cache by accident)."""
     if yes or not (out / cf.MANIFEST_FILE).is_file():
         return
-    question = (f"--overwrite: redo finished shards of the cache {out}, or discard all of it if its settings "
-                "differ. Continue?")
+    try:
+        shards = cf.read_manifest(out).get("shards", {}).values()
+        done = [shard for shard in shards if shard.get("status") == cf.SHARD_DONE]
+        held = (f"{len(done)} finished shard(s), {sum(s.get('samples', 0) for s in done):,} samples, "
+                f"{sum(s.get('bytes', 0) for s in done) / 1e9:.2f} GB")
+    except Exception:  # noqa: BLE001 - a damaged manifest: the question without the figures
+        held = "its finished shards"
+    question = (f"--overwrite: the cache {out} holds {held}; those this run covers are extracted again, and all "
+                "of them are discarded if its settings differ. Continue?")
     if sys.stdin.isatty() and sys.stderr.isatty():
         import click
 

@@ -145,7 +145,9 @@ def test_overwrite_on_a_terminal_asks_first(baseline_cache: Path, chat_jsonl: Pa
     # The options the cache was made with: a yes redoes shard 1 (other settings would discard the whole cache).
     code, output = run_on_a_terminal(["extract", "--data", str(chat_jsonl), "--out", str(cache), "--workers", "1",
                                       *EXTRACT_ARGS, "--only-shards", "1", "--overwrite"], answer)
-    assert f"--overwrite: redo finished shards of the cache {cache}" in output and "Continue? [y/N]:" in output
+    # The question says what is at stake: what the cache holds, and that other settings discard all of it.
+    assert f"--overwrite: the cache {cache} holds 3 finished shard(s), " in output and "Continue? [y/N]:" in output
+    assert "all of them are discarded if its settings differ" in output.replace("\n", " ")
     if answer == "n":
         assert code == 3 and "refused: not confirmed: nothing was changed" in output, output[-2000:]
         assert tree_bytes(cache) == before  # every byte as it was, the damaged one included
