@@ -16,7 +16,10 @@
 #      init     packed, cross-entropy, layers and final norm from the target's last 5 layers
 #      mixinit  mix and init together
 #    Runs side by side share the GPU by time slices, so equal wall time is about equal GPU time; tokens/s are
-#    those of a shared GPU.
+#    those of a shared GPU. On a machine of several GPUs (an x8 kind, where lent) each run trains on its own GPU
+#    (gpu_pipeline.sh's GPUS / GPU_OFFSET: padded on GPU 0, the others from GPU 1): equal GPU time exactly, and
+#    the tokens/s of a whole GPU. A step that runs out of memory beside the others is retried in smaller
+#    micro-batches by `dflash train` itself (the padded code of ed327ed has no such retry).
 # 3. live tau of every run's export_best on MT-Bench and HumanEval (EVAL_SAMPLES prompts, EVAL_TOKENS new tokens)
 #    by speculative decoding alone (EVAL_FLAGS)
 # Everything small goes to $OUT; `tar czf` it from the polling calls.
@@ -80,20 +83,27 @@ if [[ " $RUNS " == *" padded "* ]]; then
     printf '#!/usr/bin/env bash\nargs=()\nfor a in "$@"; do [ "$a" = --overwrite ] || args+=("$a"); done\n%s\n' \
         "PYTHONPATH=/tmp/site:$OLD_CODE exec python3 -P -m shared.cli \"\${args[@]}\"" >/tmp/old_work/dflash
     chmod +x /tmp/old_work/dflash
-    (WORK=/tmp/old_work OUT=$OUT/padded TRAIN_END=$end DF=/tmp/old_work/dflash \
+    (WORK=/tmp/old_work OUT=$OUT/padded TRAIN_END=$end DF=/tmp/old_work/dflash GPU_OFFSET=0 \
         TRAIN_FLAGS="--attention sdpa --max-anchors 64 $padded_flags" \
         VARIANTS="a64:1e-3:--seed=0" bash benchmarks/gpu_pipeline.sh train >"$OUT/padded.out" 2>&1) &
 fi
-(TRAIN_END=$end TRAIN_FLAGS="" VARIANTS="$variants" bash benchmarks/gpu_pipeline.sh train >"$OUT/packed.out" 2>&1) &
+# On a machine of several GPUs each run trains on its own (gpu_pipeline.sh: GPUS, GPU_OFFSET): padded on GPU 0.
+packed_offset=$([[ " $RUNS " == *" padded "* ]] && echo 1 || echo 0)
+(TRAIN_END=$end TRAIN_FLAGS="" VARIANTS="$variants" GPU_OFFSET=$packed_offset bash benchmarks/gpu_pipeline.sh train \
+    >"$OUT/packed.out" 2>&1) &
 wait
 stage trained
 [ -d /tmp/old_work/run_fp8_a64 ] && ln -sfn /tmp/old_work/run_fp8_a64 "$WORK/run_fp8_padded"
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+[ "${gpus:-0}" -ge 1 ] 2>/dev/null || gpus=1
+i=0
 for run in "$WORK"/run_fp8_*; do
     name=${run##*/run_fp8_}
     draft=$run/export_best
     [ -f "$draft/config.json" ] || draft=$run/export
     for data in mtbench humaneval; do
-        timeout -s TERM "$EVAL_SECONDS" python3 -m dflash.shared.cli eval --draft "$draft" --data "$data" \
+        i=$((i + 1))
+        CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout -s TERM "$EVAL_SECONDS" python3 -m dflash.shared.cli eval --draft "$draft" --data "$data" \
             --max-samples "$EVAL_SAMPLES" --max-new-tokens "$EVAL_TOKENS" --out "$OUT/eval_${name}_$data" $EVAL_FLAGS \
             >"$OUT/eval_${name}_$data.out" 2>&1 &
     done

@@ -118,6 +118,12 @@ KEEP=${KEEP:-}  # a folder outside $OUT: the best run's export, its weights in 1
 EVAL_RUNS=${EVAL_RUNS:-}  # run folder names (run_bf16 ...); empty = every run; best = the best offline tau
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
+# Runs side by side (train, eval) each get one GPU: run i of a stage the GPU (GPU_OFFSET + i) % GPUS, so on a
+# machine of several GPUs each run has its own (equal GPU time exactly), and on one GPU they share it. Without
+# this, `dflash train` on a machine of 8 GPUs would train every run with 8 processes.
+GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
+[ "${GPUS:-0}" -ge 1 ] 2>/dev/null || GPUS=1
+GPU_OFFSET=${GPU_OFFSET:-0}
 # dflash without installing it: a `dflash` namespace folder whose packages are this tree's top-level folders.
 mkdir -p "$WORK/import/dflash"
 for package in shared stage1_extract stage2_train; do ln -sfn "$PWD/$package" "$WORK/import/dflash/$package"; done
@@ -243,10 +249,10 @@ EOF
         done
         [ -n "$INIT" ] && TRAIN_FLAGS="$TRAIN_FLAGS --init-from $INIT"
         # Calibrate: steps/s of each run while all of them run side by side, as they will.
-        for run in "${runs[@]}"; do
-            IFS=: read -r dtype lr name flags <<<"$run"
+        for i in "${!runs[@]}"; do
+            IFS=: read -r dtype lr name flags <<<"${runs[$i]}"
             # shellcheck disable=SC2086
-            $DF train --cache "$WORK/cache_$dtype" --out "$WORK/calib_$name" --overwrite --max-steps 60 --lr "$lr" $TRAIN_FLAGS \
+            CUDA_VISIBLE_DEVICES=$(((GPU_OFFSET + i) % GPUS)) $DF train --cache "$WORK/cache_$dtype" --out "$WORK/calib_$name" --overwrite --max-steps 60 --lr "$lr" $TRAIN_FLAGS \
                 $flags --eval-every 0 --checkpoint-every 0 >"$OUT/calib_$name.log" 2>&1 &
         done
         timed calibrate wait
@@ -270,11 +276,11 @@ print(" ".join(f"{name}={int((rate if per_run else min(rates.values())) * (budge
 EOF
 )
         echo "train steps fitted to ${TRAIN_SECONDS}s: $steps" | tee -a "$OUT/timings.tsv"
-        for run in "${runs[@]}"; do
-            IFS=: read -r dtype lr name flags <<<"$run"
+        for i in "${!runs[@]}"; do
+            IFS=: read -r dtype lr name flags <<<"${runs[$i]}"
             run_steps=$(tr ' ' '\n' <<<"$steps" | sed -n "s/^$name=//p")
             # shellcheck disable=SC2086
-            timeout -s TERM "$TRAIN_SECONDS" $DF train --cache "$WORK/cache_$dtype" --out "$WORK/$name" --overwrite \
+            CUDA_VISIBLE_DEVICES=$(((GPU_OFFSET + i) % GPUS)) timeout -s TERM "$TRAIN_SECONDS" $DF train --cache "$WORK/cache_$dtype" --out "$WORK/$name" --overwrite \
                 --max-steps "$run_steps" --lr "$lr" $TRAIN_FLAGS $flags >"$OUT/train_$name.out" 2>&1 &
         done
         timed train wait
@@ -287,11 +293,13 @@ EOF
         ;;
     eval)
         [ "$EVAL_RUNS" = best ] && EVAL_RUNS=$(best_run)
+        i=0
         for run in "$WORK"/run_*; do
             name=$(basename "$run")
             [ -z "$EVAL_RUNS" ] || [[ " $EVAL_RUNS " == *" $name "* ]] || continue
             for data in mtbench humaneval heldout; do
-                $DF eval --draft "$(best_export "$run")" --data "$data" --max-samples "$EVAL_SAMPLES" \
+                i=$((i + 1))
+                CUDA_VISIBLE_DEVICES=$(((GPU_OFFSET + i) % GPUS)) $DF eval --draft "$(best_export "$run")" --data "$data" --max-samples "$EVAL_SAMPLES" \
                     --max-new-tokens "$EVAL_TOKENS" --out "$OUT/eval_${name}_$data" >"$OUT/eval_${name}_$data.out" 2>&1 &
             done
         done

@@ -28,6 +28,8 @@ with open(os.environ["STUB_CALLS"], "a") as calls:
     calls.write(json.dumps(args) + "\n")
 def value(flag):
     return args[len(args) - 1 - args[::-1].index(flag) + 1] if flag in args else None
+with open(os.environ["STUB_CALLS"] + ".gpus", "a") as gpus:
+    gpus.write(json.dumps([Path(value("--out")).name, os.environ.get("CUDA_VISIBLE_DEVICES")]) + "\n")
 if args[0] == "extract":
     Path(value("--out")).mkdir(parents=True)
     (Path(value("--out")) / "extract.log").write_text("extracted\n")
@@ -55,7 +57,8 @@ def test_variants_train_with_their_own_steps_and_the_best_export_is_evaluated_an
     calls_file, out, work, keep = tmp_path / "calls.jsonl", tmp_path / "out", tmp_path / "work", tmp_path / "keep"
     env = {**os.environ, "STUB_CALLS": str(calls_file), "DF": f"{shlex.quote(sys.executable)} {stub}",
            "OUT": str(out), "WORK": str(work), "KEEP": str(keep), "DTYPES": "fp8", "TRAIN_SECONDS": "600",
-           "EVAL_RUNS": "best", "VARIANTS": "a64:1e-3:--max-anchors=64,--eval-every=500 c16:6e-4:--max-anchors=16"}
+           "EVAL_RUNS": "best", "VARIANTS": "a64:1e-3:--max-anchors=64,--eval-every=500 c16:6e-4:--max-anchors=16",
+           "GPUS": "4", "GPU_OFFSET": "1"}
     result = subprocess.run(["bash", "benchmarks/gpu_pipeline.sh", "train", "eval", "keep"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -77,6 +80,12 @@ def test_variants_train_with_their_own_steps_and_the_best_export_is_evaluated_an
     joined = b"".join(p.read_bytes() for p in parts)
     assert joined == (work / "run_fp8_c16" / "export_best" / "model.safetensors").read_bytes()
     assert "kept run_fp8_c16" in (out / "timings.tsv").read_text()
+    # On a machine of 4 GPUs each process of a stage gets its own, from GPU_OFFSET on (calibration and training
+    # keep each run on the same GPU).
+    gpus = dict(json.loads(line) for line in Path(f"{calls_file}.gpus").read_text().splitlines())
+    assert gpus == {"calib_run_fp8_a64": "1", "calib_run_fp8_c16": "2", "run_fp8_a64": "1", "run_fp8_c16": "2",
+                    "eval_run_fp8_c16_mtbench": "2", "eval_run_fp8_c16_humaneval": "3",
+                    "eval_run_fp8_c16_heldout": "0"}
 
 
 def test_extract_flags_reach_every_extraction(tmp_path: Path) -> None:
