@@ -16,6 +16,17 @@ class UserError(Exception):
     """Base class of errors caused by input or options; the message names the input and what to do."""
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """An allocation failure a smaller batch can recover from: CUDA's OutOfMemoryError, or the CPU allocator's
+    RuntimeError (a malloc that failed, e.g. under `ulimit -v`; a cgroup's OOM killer raises nothing, which is
+    why stage 2 plans its memory before the first step)."""
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
 def user_message(error: BaseException) -> str:
     """The message of `error` as the user should read it. An error re-raised from a DataLoader worker carries the
     worker's whole traceback in its message ("Caught CacheError in DataLoader worker process 1. Original

@@ -26,9 +26,10 @@ from typing import Any, Callable
 
 import torch
 
+from dflash.shared.errors import is_out_of_memory
 from dflash.shared.logs import get_logger
 from dflash.stage1_extract.conversations import Conversation, chat_token_ids
-from dflash.stage1_extract.worker import FAKE_OOM_ENV, plan_batches
+from dflash.stage1_extract.worker import FAKE_OOM_ENV, SampleOutOfMemory, plan_batches
 
 log = get_logger(__name__)
 
@@ -146,9 +147,16 @@ class ConversationRegenerator:
         """Generate one batch; on out-of-memory halve it and retry both halves, instead of dying."""
         try:
             answers = self._generate(batch)
-        except torch.OutOfMemoryError:
-            if len(batch) == 1:
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not is_out_of_memory(error):
                 raise
+            if len(batch) == 1:
+                state, prompt = batch[0]
+                raise SampleOutOfMemory(
+                    f"conversation {state.key} ({len(prompt):,} prompt tokens + up to {self._budget(prompt):,} "
+                    f"new) does not fit in the memory of {self.device} even alone: lower --max-length (now "
+                    f"{self.settings.max_length}) or --max-new-tokens (now {self.settings.max_new_tokens}) (a new "
+                    "--out, or --overwrite), or generate on a device with more memory") from error
             self.oom_retries += 1
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -182,7 +190,7 @@ class ConversationRegenerator:
         new_tokens = max(budgets)
         static = self.settings.static_cache
         rows = max(len(batch), self._static_rows()) if static else len(batch)
-        if self.fake_oom_tokens and rows * (width + new_tokens) > self.fake_oom_tokens and len(batch) > 1:
+        if self.fake_oom_tokens and rows * (width + new_tokens) > self.fake_oom_tokens :
             raise torch.OutOfMemoryError(f"fake OOM ({FAKE_OOM_ENV}={self.fake_oom_tokens})")
         # Left padding: every row's answer starts at column `width`. Static batches are filled up to `rows` with
         # copies of the last prompt, so every batch has the shape the compiled decoding step was made for.

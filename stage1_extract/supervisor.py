@@ -152,8 +152,9 @@ DISK_FULL_ADVICE = ("the disk is full: free space and rerun the same command; fi
 def failure_summary(failed_text: str) -> str:
     """First line (who failed) + the exception line + any advice: the traceback itself stays in the log."""
     lines = [line for line in failed_text.splitlines() if line.strip()]
-    head, advice = lines[0], [line for line in lines if line == DISK_FULL_ADVICE]
+    head, advice = lines[0].rstrip(":"), [line for line in lines if line == DISK_FULL_ADVICE]
     exception = next((line for line in reversed(lines) if line != DISK_FULL_ADVICE and not line.startswith(" ")), "")
+    exception = re.sub(r"^dflash(\.\w+)+\.(?=\w+: )", "", exception)  # our own errors by their class name only
     return "; ".join([head, exception, *advice]) if exception != head else "; ".join([head, *advice])
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from dflash.shared.cache_format import SKIPPED_LENGTHS_KEY, TopKFormat, shard_path, topk_positions, write_status
+from dflash.shared.errors import UserError, is_out_of_memory
 from dflash.shared.feature_codecs import codec
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.processes import die_with_parent
@@ -39,6 +40,10 @@ log = get_logger(__name__)
 
 # Fault injection for tests: batches with more padded tokens than this raise a (fake) out-of-memory error.
 FAKE_OOM_ENV = "DFLASH_FAKE_OOM_TOKENS"
+
+
+class SampleOutOfMemory(UserError):
+    """One sample (one conversation in `dflash generate`) needs more memory than the device has."""
 # Skip reasons a longer --max-length can cure (tokenize_conversation).
 LENGTH_SKIPS = ("too_long", "no_assistant_tokens")
 
@@ -217,12 +222,19 @@ class ShardExtractor:
         return stats
 
     def _forward_with_backoff(self, batch: list[TokenizedSample], writer: FeatureShardWriter, shard: int) -> None:
-        """Forward one batch; on out-of-memory halve it and retry both halves (in order), instead of dying."""
+        """Forward one batch; on out-of-memory halve it and retry both halves (in order), instead of dying; a single
+        sample that does not fit stops the run with what to change (finished shards are kept)."""
         try:
             self._forward(batch, writer)
-        except torch.OutOfMemoryError:
-            if len(batch) == 1:
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not is_out_of_memory(error):
                 raise
+            if len(batch) == 1:
+                sample = batch[0]
+                raise SampleOutOfMemory(
+                    f"sample {sample.sample_id} ({len(sample.input_ids):,} tokens) does not fit in the memory of "
+                    f"{self.device} even alone: lower --max-length (now {self.config.max_length}; a new --out, or "
+                    "--overwrite) or extract on a device with more memory") from error
             self.oom_retries += 1
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -237,7 +249,7 @@ class ShardExtractor:
 
     def _forward(self, batch: list[TokenizedSample], writer: FeatureShardWriter) -> None:
         width = _round_up(max(len(s.input_ids) for s in batch), self.pad_multiple)
-        if self.fake_oom_tokens and width * len(batch) > self.fake_oom_tokens and len(batch) > 1:
+        if self.fake_oom_tokens and width * len(batch) > self.fake_oom_tokens:
             raise torch.OutOfMemoryError(f"fake OOM ({FAKE_OOM_ENV}={self.fake_oom_tokens})")
         ids = np.zeros((len(batch), width), dtype=np.int64)
         mask = np.zeros((len(batch), width), dtype=np.int64)

@@ -209,17 +209,6 @@ def fake_oom_sequences() -> int | None:
     return int(value) if value else None
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """An allocation failure a step can recover from: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError
-    (a malloc that failed, e.g. under `ulimit -v`; a cgroup cap is planned for instead, since its OOM killer raises
-    nothing)."""
-    import torch
-
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
-
-
 def make_plan(shape: DrafterShape, largest: tuple[int, int], longest: tuple[int, int], limit_bytes: int,
               device_name: str, in_use_bytes: int = 0) -> MemoryPlan:
     """The plan for a run whose largest micro-batch holds `largest` = (context tokens, blocks) and whose costliest

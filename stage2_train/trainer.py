@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflash.shared.errors import UserError
+from dflash.shared.errors import UserError, is_out_of_memory
 from dflash.shared.logs import get_logger
 from dflash.shared.run_files import BEST_RECORD_FILE, WEIGHTS_FILE
 from dflash.stage2_train.acceptance import json_safe, offline_acceptance
@@ -36,7 +36,7 @@ from dflash.stage2_train.data import (
 from dflash.stage2_train.draft_model import DFlashDraftModel
 from dflash.stage2_train.export import export_draft, load_draft
 from dflash.stage2_train.loss import weight_sum
-from dflash.stage2_train.memory_plan import FAKE_OOM_SEQUENCES_ENV, GIB, is_out_of_memory, measured_peak_bytes
+from dflash.stage2_train.memory_plan import FAKE_OOM_SEQUENCES_ENV, GIB, measured_peak_bytes
 from dflash.stage2_train.objective import MicroBatch
 from dflash.stage2_train.run_setup import TrainingRun, TrainOptions, setup_run
 

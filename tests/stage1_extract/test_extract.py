@@ -181,6 +181,25 @@ def test_fake_oom_halves_batches_and_gives_the_same_cache(baseline_cache: Path, 
     assert "out of memory" in (out / "extract.log").read_text()
 
 
+def test_a_sample_that_does_not_fit_alone_stops_with_the_flag_to_change(baseline_cache: Path, chat_jsonl: Path,
+                                                                      tmp_path: Path) -> None:
+    """The backoff ends at one sample: one line naming the sample and --max-length, and a rerun (here with the
+    memory back) finishes the same cache."""
+    out = tmp_path / "cache"
+    failed = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS,
+                        env={"DFLASH_FAKE_OOM_TOKENS": "64"})
+    assert failed.returncode != 0
+    lines = [line for line in failed.stderr.splitlines() if "FAILED" in line]
+    assert len(lines) == 1, failed.stderr
+    assert "SampleOutOfMemory: sample " in lines[0] and "does not fit in the memory of cpu even alone: lower " \
+        "--max-length (now 96;" in lines[0], lines[0]
+    assert "Traceback" not in failed.stderr
+    shards = cf.read_manifest(out)["shards"].values()
+    assert any(s["status"] == "failed" for s in shards)
+    run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS, check=True)
+    assert_same_cache(baseline_cache, out)
+
+
 def _wait_for(predicate, timeout: float = 120, what: str = "condition") -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -151,7 +151,7 @@ def test_a_failed_cpu_allocation_counts_as_out_of_memory() -> None:
     OutOfMemoryError; other runtime errors are not."""
     import torch
 
-    from dflash.stage2_train.memory_plan import is_out_of_memory
+    from dflash.shared.errors import is_out_of_memory
 
     with pytest.raises(RuntimeError) as failed:
         torch.empty(1 << 60, dtype=torch.uint8)
