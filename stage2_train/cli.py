@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from dflash.stage2_train.objective import OBJECTIVES
+from dflash.stage2_train.objective import LOSSES
 from dflash.stage2_train.options import TrainOptions
 
 
@@ -33,7 +33,7 @@ from dflash.stage2_train.options import TrainOptions
               help="Make every drafter layer but the last a sliding-window layer of this many positions.")
 @click.option("--mask-token-id", type=int, default=None,
               help="Token whose embedding fills unknown block positions. Default: the reference resolution order.")
-@click.option("--loss", type=click.Choice(list(OBJECTIVES)), default="ce", show_default=True,
+@click.option("--loss", type=click.Choice(LOSSES), default="ce", show_default=True,
               help="Training objective (stage2_train/objective.py): ce = the reference's gamma-weighted "
                    "cross-entropy on the target's tokens; kl = KL from the target's top-k distribution (its other "
                    "tokens as one bucket) to the drafter's, same weights; mix = (1 - w) ce + w kl. kl and mix need a "

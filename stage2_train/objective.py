@@ -8,15 +8,14 @@ this micro-batch, already divided by that sum, and its statistics (at least `cor
 `count_by_position`, [Bk] each, for the accuracy the loop logs; `terms`, optional: the loss's named parts, each
 divided by the global weight sum like the loss, which the loop logs as `loss_<name>`).
 
-Adding an objective: a function here with this signature, an entry in `OBJECTIVES` (the `--loss` choices), any
-option it needs (in options.py and the CLI; `bind_options` passes a keyword-only parameter the option of the same
-name), and its tests. An objective that needs the target's top-k in the cache is listed in `NEEDS_TARGET_TOPK`.
+Adding an objective: a function here with this signature, its name in `LOSSES` (the `--loss` choices) and a line
+in `make_objective` (which binds the options it needs: options.py and the CLI), and its tests. An objective that
+needs the target's top-k in the cache is listed in `NEEDS_TARGET_TOPK`.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from dflash.shared.errors import UserError
 from dflash.stage2_train.options import DEFAULT_KL_WEIGHT
 
-if TYPE_CHECKING:  # torch is imported where it is used: `dflash train --help` lists OBJECTIVES without it
+if TYPE_CHECKING:  # torch is imported where it is used: `dflash train --help` lists LOSSES without it
     from torch import Tensor
 
     from dflash.stage2_train.attention_masks import PackedLayout
@@ -92,18 +91,19 @@ def _distill(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, position_weight
     return loss, stats
 
 
-OBJECTIVES: dict[str, Objective] = {"ce": block_cross_entropy, "kl": block_kl, "mix": block_mix}
+LOSSES = ("ce", "kl", "mix")  # the --loss choices, in this order
 NEEDS_TARGET_TOPK = frozenset({"kl", "mix"})
 
 
-def bind_options(name: str, options: Any) -> Objective:
-    """The `--loss` objective `name` with its options bound: each keyword-only parameter of its function gets the
-    option (an attribute of `options`) of the same name."""
-    objective = OBJECTIVES[name]
-    keywords = {parameter.name: getattr(options, parameter.name)
-                for parameter in inspect.signature(objective).parameters.values()
-                if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
-    return functools.partial(objective, **keywords) if keywords else objective
+def make_objective(loss: str, kl_weight: float = DEFAULT_KL_WEIGHT) -> Objective:
+    """The objective of `--loss loss`, with the options it takes bound (--kl-weight: mix only)."""
+    if loss == "ce":
+        return block_cross_entropy
+    if loss == "kl":
+        return block_kl
+    if loss == "mix":
+        return functools.partial(block_mix, kl_weight=kl_weight)
+    raise UserError(f"--loss {loss}: choose one of {', '.join(LOSSES)}")
 
 
 def check_cache_for(name: str, manifest: dict[str, Any], cache: Path | str) -> None:

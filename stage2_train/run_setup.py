@@ -32,7 +32,7 @@ from dflash.stage2_train.draft_model import DFlashConfig, DFlashDecoderLayer, DF
 from dflash.stage2_train.loss import default_gamma, position_weights
 from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, fake_oom_sequences, in_use_bytes,
                                              limit_from_option, make_plan, step_bytes)
-from dflash.stage2_train.objective import NEEDS_TARGET_TOPK, OBJECTIVES, Objective, bind_options, check_cache_for
+from dflash.stage2_train.objective import NEEDS_TARGET_TOPK, Objective, check_cache_for, make_objective
 from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.target_init import init_from_target
 from dflash.stage2_train.target_parts import TargetParts, load_target_parts, resolve_mask_token
@@ -148,8 +148,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     """Build a run in order: the objective (refused at once on a cache without what it needs), accelerator and
     logs, cache and split, drafter, optimizer and schedule, compile; then the resume point (checkpoint loaded) and
     the run's records on disk."""
-    if options.loss not in OBJECTIVES:
-        raise UserError(f"--loss {options.loss}: choose one of {', '.join(OBJECTIVES)}")
+    objective = make_objective(options.loss, options.kl_weight)
     check_cache_for(options.loss, cf.read_manifest(options.cache.resolve()), options.cache)
     if options.init_from is not None and options.init_from_target is not None:
         raise UserError("--init-from EXPORT_DIR and --init-from-target both choose the drafter's first weights: "
@@ -178,7 +177,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     run = TrainingRun(
         options=options, files=files, accelerator=accelerator, cache=cache, manifest=manifest,
         codec=manifest_codec(manifest), index=index, parts=parts, config=config, mask_token_id=mask_token_id,
-        model=model, optimizer=None, scheduler=None, objective=bind_options(options.loss, options),
+        model=model, optimizer=None, scheduler=None, objective=objective,
         compute_dtype=compute_dtype,
         embed=parts.embed_tokens.to(device, compute_dtype), lm_head=parts.lm_head.to(device, compute_dtype),
         position_weights=position_weights(options.block_size, options.gamma or default_gamma(options.block_size),

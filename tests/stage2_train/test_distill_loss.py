@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.stage2_train.loss import IGNORE_INDEX, block_loss, dflash_loss, position_weights, weight_sum
-from dflash.stage2_train.objective import OBJECTIVES, MicroBatch, bind_options
-from dflash.stage2_train.options import TrainOptions
+from dflash.stage2_train.objective import LOSSES, MicroBatch, make_objective
 
 VOCAB, HIDDEN, BLOCK = 97, 24, 6
 
@@ -194,13 +193,12 @@ def test_objectives_bind_the_kl_weight_and_log_their_terms() -> None:
     micro = MicroBatch(features=torch.zeros(1), block_ids=torch.zeros(1), labels=case["labels"], layout=None,
                        topk_ids=case["ids"], topk_logprobs=case["logprobs"])
     total = weight_sum(case["labels"], weights)
-    options = TrainOptions(cache=None, out=None, loss="mix", kl_weight=0.25)  # type: ignore[arg-type]
-    mix, mix_stats = bind_options("mix", options)(h, w, micro, weights, total)
-    kl, kl_stats = bind_options("kl", options)(h, w, micro, weights, total)
+    mix, mix_stats = make_objective("mix", kl_weight=0.25)(h, w, micro, weights, total)
+    kl, kl_stats = make_objective("kl", kl_weight=0.25)(h, w, micro, weights, total)
     terms = mix_stats["terms"]
     torch.testing.assert_close(mix, 0.75 * terms["ce"] + 0.25 * terms["kl"])
     torch.testing.assert_close(kl, kl_stats["terms"]["kl"])
     torch.testing.assert_close(terms["kl"], kl_stats["terms"]["kl"])
-    assert set(OBJECTIVES) == {"ce", "kl", "mix"}
+    assert LOSSES == ("ce", "kl", "mix")
     with pytest.raises(ValueError, match="top-k"):
-        OBJECTIVES["kl"](h, w, MicroBatch(torch.zeros(1), torch.zeros(1), case["labels"], None), weights, total)
+        make_objective("kl")(h, w, MicroBatch(torch.zeros(1), torch.zeros(1), case["labels"], None), weights, total)
