@@ -71,7 +71,7 @@ def main() -> None:
         model = DFlashDraftModel(config, attn_implementation=backend).to(device, dtype)
         features = torch.randn(batch, context, 5 * config.hidden_size, device=device, dtype=dtype)
 
-        def step(layout: AnchorLayout) -> None:
+        def step(layout: AnchorLayout, model: DFlashDraftModel = model, features: torch.Tensor = features) -> None:
             noise = torch.randn(batch, layout.num_queries, config.hidden_size, device=device, dtype=dtype)
             mask = make_block_mask(layout) if backend == "flex" else layout
             hidden = model(noise, features, layout.query_position_ids(), layout.context_position_ids(), mask)
@@ -106,7 +106,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         results[backend] = record
         print(json.dumps({backend: record}), flush=True)
-        del model, features
+        del model, features, step  # freed before the next backend's peak is measured
     summary = {"benchmark": "flex_probe", "shape": args.shape, "device": str(device), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "batch": batch, "context": context, "anchors": anchors,
                "results": results}
