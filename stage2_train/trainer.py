@@ -32,6 +32,8 @@ from dflash.stage2_train.data import (
     packed_layout,
     sequence_blocks,
     split_packed_batch,
+    start_loader,
+    stop_loader,
 )
 from dflash.stage2_train.draft_model import DFlashDraftModel
 from dflash.stage2_train.export import export_draft, load_draft
@@ -114,10 +116,13 @@ def step_batches(run: TrainingRun) -> Iterator[list[dict[str, Any]]]:
     on, epoch after epoch (each epoch a new plan; a resumed run continues inside its epoch)."""
     while True:
         plan = run.plan(run.state.epoch)
-        loader = iter(run.loader(run.state.epoch, run.state.position, plan))
+        loader = start_loader(run.loader(run.state.epoch, run.state.position, plan))
         steps_left = run.steps_in_epoch(run.state.epoch, plan) - run.state.position // run.options.grad_accum
-        for _ in range(steps_left):
-            yield [next(loader) for _ in range(run.options.grad_accum)]
+        try:
+            for _ in range(steps_left):
+                yield [next(loader) for _ in range(run.options.grad_accum)]
+        finally:
+            stop_loader(loader)
         run.state.epoch += 1
         run.state.position = 0
 

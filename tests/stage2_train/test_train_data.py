@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -365,6 +368,60 @@ def test_loader_order_and_content_do_not_depend_on_workers(cache: Path, epoch_pl
     # Workers that do not inherit the parent's memory: the dataset is pickled without open stores.
     items = list(td.make_loader(dataset(), 2, pin_memory=False, context="forkserver"))
     assert len(items) == len(reference) and all(same_batch(a, b) for a, b in zip(items, reference))
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_loader_workers_ignore_ctrl_c(cache: Path, epoch_plan: list[list[Sample]], context: str) -> None:
+    """A terminal's Ctrl-C reaches every process of the group: the loader's workers take no notice (the main process
+    alone handles it), so an interrupted epoch is never cut short by a dying worker; the main process's own
+    handling of SIGINT is left as it was."""
+    def dataset() -> CacheBatches:
+        return CacheBatches(cache, epoch_plan, epoch=0, seed=1, rule=AnchorRule(None, 8, 4), bucket_multiple=PAD)
+
+    reference = collect(dataset(), 0)
+    handler, mask = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    batches = td.start_loader(td.make_loader(dataset(), 2, pin_memory=False, context=context))
+    assert signal.getsignal(signal.SIGINT) is handler and signal.pthread_sigmask(signal.SIG_BLOCK, set()) == mask
+    first = next(batches)
+    workers = batches._workers  # type: ignore[attr-defined] # the loader's worker processes (a private field)
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGINT)
+    items = [first, *batches]
+    assert len(items) == len(reference) and all(same_batch(a, b) for a, b in zip(items, reference))
+    assert all(worker.exitcode == 0 for worker in workers)
+
+
+def test_an_interrupt_while_an_epoch_ends_reaches_the_loop(cache: Path, epoch_plan: list[list[Sample]],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that arrives while the loop stops an epoch's workers propagates (it was raised in the iterator's
+    __del__, where Python swallows it: the run went on training); the workers are stopped either way."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    from dflash.stage2_train.trainer import step_batches
+
+    stopped = []
+    shutdown = _MultiProcessingDataLoaderIter._shutdown_workers
+
+    def interrupted_shutdown(self: _MultiProcessingDataLoaderIter) -> None:
+        first = not self._shutdown
+        shutdown(self)
+        if first:
+            stopped.append(self._workers)
+            raise KeyboardInterrupt  # as if Ctrl-C came while the workers were joined
+
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_shutdown_workers", interrupted_shutdown)
+    run = SimpleNamespace(
+        state=SimpleNamespace(epoch=0, position=0), options=SimpleNamespace(grad_accum=1),
+        plan=lambda epoch: epoch_plan, steps_in_epoch=lambda epoch, plan: 2,
+        loader=lambda epoch, position, plan: td.make_loader(
+            CacheBatches(cache, plan, epoch=epoch, seed=1, rule=AnchorRule(None, 8, 4), bucket_multiple=PAD), 2,
+            pin_memory=False))
+    batches = step_batches(run)  # type: ignore[arg-type]
+    next(batches), next(batches)  # the first epoch's two steps
+    with pytest.raises(KeyboardInterrupt):
+        next(batches)
+    assert run.state.epoch == 0 and len(stopped) == 1
+    assert all(worker.exitcode is not None for worker in stopped[0])
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
