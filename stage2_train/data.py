@@ -725,14 +725,18 @@ def packed_block_topk(batch: dict[str, Any], layout: PackedLayout) -> tuple[Tens
     return batch["topk_ids"][at][None], batch["topk_logprobs"][at][None]
 
 
+# What the main process alone handles: a terminal's Ctrl-C and a scheduler's SIGTERM reach every process of the
+# group, and a loader worker that died of one first made torch raise "DataLoader worker exited unexpectedly" / "is
+# killed by signal" in the main process, on top of (or instead of) the interrupt: seen for SIGINT in 1 of 6 and for
+# SIGTERM in 2 of 3 signals to the group of a training run whose epochs were one step long.
+_MAIN_PROCESS_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def start_loader(loader: DataLoader) -> Iterator[Any]:
-    """`iter(loader)`, with SIGINT blocked in this thread while it forks its workers, so that each worker is born
-    deaf to Ctrl-C (`_ignore_interrupts` makes it so for good): a terminal's Ctrl-C reaches the whole process group,
-    and a worker that took it could die or exit at any point of starting or feeding a batch, after which this
-    process reported "DataLoader worker exited unexpectedly" instead of the interrupt, or waited on it forever (both
-    seen with a Ctrl-C at an epoch boundary). The main process alone handles the interrupt and stops its workers;
-    a Ctrl-C that arrives while they are forked is delivered to it as soon as they are."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    """`iter(loader)`, with SIGINT and SIGTERM blocked in this thread while it forks its workers, so that none is
+    born able to die of them (`_worker_signals` then sets what they do for good). A signal that arrives meanwhile
+    is delivered to this process as soon as they are forked."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _MAIN_PROCESS_SIGNALS)
     try:
         return iter(loader)
     finally:
@@ -750,10 +754,14 @@ def stop_loader(batches: Iterator[Any]) -> None:
         shutdown()
 
 
-def _ignore_interrupts(_worker_id: int) -> None:
-    """A DataLoader worker's first act: ignore SIGINT (discarding one that came while it was blocked), unblock it."""
+def _worker_signals(_worker_id: int) -> None:
+    """A DataLoader worker's first act: ignore Ctrl-C, and end quietly (exit code 0) on a SIGTERM from anyone
+    (torch's own handler does so only when the parent sends it, as it does to stop a worker that does not finish;
+    a scheduler's SIGTERM killed the worker, and the main process, which took the same signal, reports it); then
+    take the signals it was born with blocked."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: os._exit(0))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _MAIN_PROCESS_SIGNALS)
 
 
 def make_loader(dataset: CacheBatches, num_workers: int, *, prefetch_factor: int = 2,
@@ -791,7 +799,7 @@ def make_loader(dataset: CacheBatches, num_workers: int, *, prefetch_factor: int
         if context == "forkserver":
             mp_context.set_forkserver_preload(["torch", "zarr", __name__])
         options.update(persistent_workers=False, prefetch_factor=prefetch_factor, multiprocessing_context=mp_context,
-                       worker_init_fn=_ignore_interrupts)
+                       worker_init_fn=_worker_signals)
     if "in_order" in inspect.signature(DataLoader).parameters:
         options["in_order"] = True  # the default; plan order depends on it
     return DataLoader(dataset, **options)

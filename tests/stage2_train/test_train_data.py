@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -389,6 +390,21 @@ def test_loader_workers_ignore_ctrl_c(cache: Path, epoch_plan: list[list[Sample]
     items = [first, *batches]
     assert len(items) == len(reference) and all(same_batch(a, b) for a, b in zip(items, reference))
     assert all(worker.exitcode == 0 for worker in workers)
+
+
+def test_loader_workers_end_quietly_on_sigterm(cache: Path, epoch_plan: list[list[Sample]]) -> None:
+    """A scheduler's SIGTERM to the whole group: each worker exits with code 0 (a worker killed by the signal made
+    torch raise "is killed by signal" in the main process on top of its own interrupt)."""
+    dataset = CacheBatches(cache, epoch_plan, epoch=0, seed=1, rule=AnchorRule(None, 8, 4), bucket_multiple=PAD)
+    batches = td.start_loader(td.make_loader(dataset, 2, pin_memory=False))
+    next(batches)
+    workers = batches._workers  # type: ignore[attr-defined] # the loader's worker processes (a private field)
+    # From another process, as a scheduler's: torch's own handler ends a worker quietly only when its parent sends it.
+    subprocess.run(["kill", "-TERM", *(str(worker.pid) for worker in workers)], check=True)
+    for worker in workers:
+        worker.join(timeout=60)
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    td.stop_loader(batches)
 
 
 def test_an_interrupt_while_an_epoch_ends_reaches_the_loop(cache: Path, epoch_plan: list[list[Sample]],
