@@ -168,6 +168,69 @@ def test_train_survives_a_random_kill(baseline_cache: Path, tmp_path: Path, atte
         raise
 
 
+def _processes_in_group(group: int) -> list[int]:
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == group and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return found
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("attempt", range(10))
+def test_train_ends_cleanly_on_a_signal_to_its_group(baseline_cache: Path, tmp_path: Path, attempt: int) -> None:
+    """A terminal's Ctrl-C or a scheduler's SIGTERM reaches every process of the group, DataLoader workers too:
+    the run ends with 130 / 143 and its one line (no traceback), leaves no process behind, and resumes to the
+    result of an uninterrupted run."""
+    rng = random.Random(300 + attempt)
+    args = ("--max-steps", "24", "--eval-every", "0", "--checkpoint-every", "4", "--draft-layers", "1",
+            "--max-anchors", "16", "--batch-tokens", "384", "--num-workers", "2", "--eval-fraction", "0.15",
+            "--eval-sequences", "2", "--mixed-precision", "no")  # ~7 steps per epoch: 3 epoch ends
+    reference = tmp_path / "reference"
+    assert run_dflash("train", "--cache", str(baseline_cache), "--out", str(reference), *args).returncode == 0
+    run = tmp_path / "run"
+    how = rng.choice([signal.SIGINT, signal.SIGTERM])
+    # Its own process group, as a terminal's foreground job; SIGINT as a terminal leaves it (a shell's background
+    # job, as a test runner may be, starts with it ignored).
+    process = subprocess.Popen([sys.executable, "-m", "dflash.shared.cli", "train", "--cache", str(baseline_cache),
+                                "--out", str(run), *args], cwd=REPO, text=True, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(rng.uniform(5.0, 13.0))  # the run lasts ~13 s on 2 cores, imports included
+    signalled = process.poll() is None
+    if signalled:
+        os.killpg(process.pid, how)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, stderr = process.communicate()
+        stderr += "\n(did not end within 120 s of the signal)"
+    time.sleep(1.0)
+    left = _processes_in_group(process.pid)
+    resumed = run_dflash("train", "--cache", str(baseline_cache), "--out", str(run), "--resume", *args)
+    try:
+        if signalled:
+            assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+            # 0 or -signal: the command had returned (its work done) and the interpreter was ending
+            assert process.returncode in (128 + how, 0, -how), stderr[-3000:]
+        if signalled and process.returncode == 128 + how:
+            assert f"interrupted ({how.name})" in stderr and "--resume" in stderr, stderr[-3000:]
+        assert not left, f"processes left running: {left}"
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert_same_training(run, reference, loss_rel=1e-4)
+        if signalled:
+            _record(f"train: {how.name} to the group", True, 0)
+    except AssertionError:
+        _record(f"train: {how.name} to the group", False, 0)
+        raise
+
+
 @pytest.mark.reliability
 @pytest.mark.parametrize("attempt", range(10))
 def test_generate_survives_a_random_kill(chat_jsonl: Path, tmp_path_factory: pytest.TempPathFactory,
