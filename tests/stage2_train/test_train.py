@@ -114,7 +114,10 @@ def test_train_learns_beats_untrained_and_exports_the_reference_format(train_cac
     heldout = json.loads((tmp_path / "eval" / "eval.json").read_text())["datasets"]["heldout"]
     assert heldout["prompts"] == 3 and heldout["offline"]["sequences"] == 3 and heldout["split"] == "test"
     assert [s["id"] for s in heldout["samples"]] == [s["sample_id"] for s in eval_sequences(three_way, 3, "test")]
-    assert heldout["offline"]["tau_walk"] > untrained_tau + 0.2  # 3 test sequences cut to 24 tokens: 1.27 measured
+    # 3 test sequences cut to 24 tokens: 1.27 measured on one machine, 1.18 on another (the same commit), so the
+    # bound is their standard error's, not a fixed margin (learning itself is asserted above, on the validation split)
+    offline = heldout["offline"]
+    assert offline["tau_walk"] > untrained_tau + 2 * offline["tau_walk_stderr"], (offline, untrained_tau)
     assert heldout["tau"] > 1.0 and heldout["greedy_identical"] + heldout["tie_divergences"] == 3
     assert "offline walk tau" in (tmp_path / "eval" / "eval.md").read_text()
     training = json.loads((tmp_path / "eval" / "eval.json").read_text())["training"]
