@@ -147,7 +147,7 @@ class ConversationRegenerator:
         """Generate one batch; on out-of-memory halve it and retry both halves, instead of dying."""
         try:
             answers = self._generate(batch)
-        except (torch.OutOfMemoryError, RuntimeError) as error:
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(error):
                 raise
             if len(batch) == 1:
@@ -190,7 +190,7 @@ class ConversationRegenerator:
         new_tokens = max(budgets)
         static = self.settings.static_cache
         rows = max(len(batch), self._static_rows()) if static else len(batch)
-        if self.fake_oom_tokens and rows * (width + new_tokens) > self.fake_oom_tokens :
+        if self.fake_oom_tokens and rows * (width + new_tokens) > self.fake_oom_tokens:
             raise torch.OutOfMemoryError(f"fake OOM ({FAKE_OOM_ENV}={self.fake_oom_tokens})")
         # Left padding: every row's answer starts at column `width`. Static batches are filled up to `rows` with
         # copies of the last prompt, so every batch has the shape the compiled decoding step was made for.

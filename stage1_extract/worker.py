@@ -40,12 +40,12 @@ log = get_logger(__name__)
 
 # Fault injection for tests: batches with more padded tokens than this raise a (fake) out-of-memory error.
 FAKE_OOM_ENV = "DFLASH_FAKE_OOM_TOKENS"
+# Skip reasons a longer --max-length can cure (tokenize_conversation).
+LENGTH_SKIPS = ("too_long", "no_assistant_tokens")
 
 
 class SampleOutOfMemory(UserError):
     """One sample (one conversation in `dflash generate`) needs more memory than the device has."""
-# Skip reasons a longer --max-length can cure (tokenize_conversation).
-LENGTH_SKIPS = ("too_long", "no_assistant_tokens")
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ class ShardExtractor:
         sample that does not fit stops the run with what to change (finished shards are kept)."""
         try:
             self._forward(batch, writer)
-        except (torch.OutOfMemoryError, RuntimeError) as error:
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(error):
                 raise
             if len(batch) == 1:

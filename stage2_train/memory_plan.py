@@ -181,7 +181,6 @@ class MemoryPlan:
         ranges.append((first, len(lengths)))
         return ranges
 
-
     def part_sizes(self, lengths: np.ndarray, blocks: np.ndarray) -> list[tuple[int, int]]:
         """(estimated bytes, sequences) of each part that `parts` cuts this micro-batch into."""
         return [(int(step_bytes(self.shape, int(lengths[a:b].sum()), int(blocks[a:b].sum()))), b - a)

@@ -181,7 +181,7 @@ def train_step(run: TrainingRun, loader_batches: list[dict[str, Any]],
         try:
             accumulated = accumulate_gradients(run, micro)
             break
-        except (torch.OutOfMemoryError, RuntimeError) as error:
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(error):
                 raise
             reason = str(error).strip().splitlines()[0][:200]
