@@ -1,0 +1,100 @@
+"""benchmarks/summarize_results.py: every committed summary.json is the script's reading of its folder's raw files,
+and what it reads (archived or not) is what the raw files hold."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dflash.stage2_train.acceptance import tau_standard_error
+from tests.conftest import REPO
+
+RESULTS = REPO / "benchmarks" / "results"
+FOLDERS = sorted(p.parent for p in RESULTS.glob("*/summary.json"))
+
+
+def _summarize_results():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("dflash_summarize_results",
+                                                  REPO / "benchmarks" / "summarize_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+summarize_results = _summarize_results()
+
+
+def test_every_results_folder_is_summarised_with_its_command() -> None:
+    for folder in sorted(p for p in RESULTS.iterdir() if p.is_dir()):
+        assert (folder / "command.txt").is_file(), folder
+        assert (folder / "raw.tar.xz").is_file(), folder
+    assert len(FOLDERS) >= 7
+
+
+def test_committed_summaries_are_the_scripts_output() -> None:
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "summarize_results.py"), "--check",
+                           *map(str, FOLDERS)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+
+
+def test_recomputed_standard_error_equals_what_dflash_eval_recorded() -> None:
+    """The H100 evaluations recorded tau_stderr; the per-prompt recomputation the script applies to older files
+    gives the same number from the same records."""
+    folder = RESULTS / "h100_packed_vs_padded_2026-12-05"
+    files = summarize_results.raw_files(folder)
+    checked = 0
+    for name in ("eval_padded_mtbench.json", "eval_ce_humaneval.json"):
+        report = json.loads(files[name])
+        for dataset in report["datasets"].values():
+            recorded = dataset.pop("tau_stderr")
+            samples = dataset["samples"]
+            assert recorded == pytest.approx(tau_standard_error(
+                [sum(a + 1 for a in s["accepted"]) for s in samples], [len(s["accepted"]) for s in samples]), rel=1e-12)
+            entry = summarize_results.evaluation(report)["datasets"][dataset["dataset"]]
+            assert entry["tau_stderr"] == pytest.approx(recorded, rel=1e-12)
+            assert entry["tau_stderr_source"].startswith("recomputed")
+            checked += 1
+    assert checked == 2
+
+
+def test_a_folder_reads_the_same_archived_or_not(tmp_path: Path) -> None:
+    plain, archived = tmp_path / "plain", tmp_path / "archived"
+    records = [{"step": 0, "eval/tau_walk": 1.0, "eval/sequences": 3, "eval/tokens": 90},
+               *({"step": s, "loss": 10.0 - s, "elapsed_s": s / 2} for s in range(1, 9)),
+               {"step": 8, "eval/tau_walk": 1.5, "eval/tau_walk_stderr": 0.1, "eval/sequences": 3, "eval/tokens": 90}]
+    raw = {
+        "timings.tsv": "extract_fp8\t12 s\trc 0\n123\t/tmp/work/cache_fp8\ntrain\t40 s\trc 0\nheadline done\n",
+        "run_a/metrics.jsonl": "".join(json.dumps(r) + "\n" for r in records),
+        "run_a/train.log": "INFO dflash.trainer: training 8 steps (~4 per epoch) on 1 process(es), cuda, "
+                           "20 train / 3 validation / 2 test samples; mask token 16\n",
+        "calib_run_b.log": "INFO dflash.trainer: eval step 60: tau 1.084 +- 0.007 (walk, 227 validation sequences)\n"
+                           "torch.OutOfMemoryError: CUDA out of memory.\n",
+    }
+    for name, text in raw.items():
+        for root in (plain, archived):
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text)
+    with tarfile.open(archived / "raw.tar.xz", "w:xz") as tar:
+        for name in raw:
+            tar.add(archived / name, arcname=name)
+            (archived / name).unlink()
+    (archived / "run_a").rmdir()
+    summary = summarize_results.summarize(plain)
+    assert {k: v for k, v in summarize_results.summarize(archived).items() if k != "folder"} == {
+        k: v for k, v in summary.items() if k != "folder"}
+    stages = summary["stages (timings.tsv)"]
+    assert stages["stages"] == [["extract_fp8", 12, 0], ["train", 40, 0]]
+    assert stages["cache_bytes"] == {"cache_fp8": 123} and stages["notes"] == ["headline done"]
+    run = summary["runs"]["run_a"]
+    assert run["split"] == {"train": 20, "validation": 3, "test": 2}
+    assert (run["steps"], run["steps_per_s"], run["loss_mean_last_20_steps"]) == (8, 2.0, 5.5)
+    assert run["eval"]["whole_validation_split"] is True
+    assert run["best"] == {"step": 8, "tau_walk": 1.5, "tau_walk_stderr": 0.1}
+    assert summary["logged_training"]["calib_run_b.log"] == {
+        "tau_walk_by_step": [[60, 1.084, 0.007, 227]], "errors": ["torch.OutOfMemoryError: CUDA out of memory."]}
