@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.stage2_train.attention_masks import AnchorLayout, batch_dense_mask, grouped_dense_mask  # noqa: E402
-from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target  # noqa: E402
+from dflash.stage2_train.draft_attention import training_drafter  # noqa: E402
+from dflash.stage2_train.draft_config import config_from_target  # noqa: E402
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -54,7 +55,7 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     config = config_from_target(SHAPES[args.shape], None, args.layers, args.block_size, mask_token_id=0)
-    model = DFlashDraftModel(config, attn_implementation="sdpa").to(device, dtype)
+    model = training_drafter(config, "sdpa").to(device, dtype)
     hidden, width = config.hidden_size, config.num_context_layers * config.hidden_size
     anchors = [torch.randperm(args.context - 1)[: args.anchors].sort().values for _ in range(args.batch)]
     layout = AnchorLayout.from_anchor_lists(anchors, [args.context] * args.batch, args.block_size, device=device)

@@ -42,7 +42,9 @@ from dflash.stage2_train.attention_masks import (  # noqa: E402
     packed_dense_mask,
 )
 from dflash.stage2_train.data import bucket  # noqa: E402
-from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel, config_from_target  # noqa: E402
+from dflash.stage2_train.draft_attention import training_drafter  # noqa: E402
+from dflash.stage2_train.draft_config import DFlashConfig, config_from_target  # noqa: E402
+from dflash.stage2_train.modeling_dflash import DFlashDraftModel  # noqa: E402
 
 from bench_grouped_attention import SHAPES, synchronize  # noqa: E402
 
@@ -136,7 +138,7 @@ def main() -> None:
         if variant == "flex" and device.type != "cuda":
             continue
         torch.manual_seed(0)
-        model = DFlashDraftModel(config, attn_implementation="flex" if variant == "flex" else "sdpa").to(device, dtype)
+        model = training_drafter(config, "flex" if variant == "flex" else "sdpa").to(device, dtype)
         if variant == "padded":
             count = args.padded_anchors or max(len(a) for a in anchors)
             padded = AnchorLayout.from_anchor_lists([a[:count] for a in anchors], lengths, bk, num_blocks=count,
@@ -189,7 +191,7 @@ def shape_sweep(args: argparse.Namespace) -> None:
         if variant not in ("sdpa_grouped", "flex") or (variant == "flex" and device.type != "cuda"):
             continue
         torch.manual_seed(0)
-        model = DFlashDraftModel(config, attn_implementation="flex" if variant == "flex" else "sdpa").to(device, dtype)
+        model = training_drafter(config, "flex" if variant == "flex" else "sdpa").to(device, dtype)
         draws = []
         started_all = time.perf_counter()
         for draw in range(args.draws):

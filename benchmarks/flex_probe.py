@@ -23,7 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.stage2_train.attention_masks import AnchorLayout, make_block_mask  # noqa: E402
-from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target  # noqa: E402
+from dflash.stage2_train.draft_attention import training_drafter  # noqa: E402
+from dflash.stage2_train.draft_config import config_from_target  # noqa: E402
+from dflash.stage2_train.modeling_dflash import DFlashDraftModel  # noqa: E402
 
 SHAPES = {  # target config, context length, batch, anchors
     "smollm2": (dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -68,7 +70,7 @@ def main() -> None:
     for backend in args.backends.split(","):
         print(f"[{args.shape}] {backend}: B={batch} C={context} A={anchors}", flush=True)
         record: dict = {}
-        model = DFlashDraftModel(config, attn_implementation=backend).to(device, dtype)
+        model = training_drafter(config, backend).to(device, dtype)
         features = torch.randn(batch, context, 5 * config.hidden_size, device=device, dtype=dtype)
 
         def step(layout: AnchorLayout, model: DFlashDraftModel = model, features: torch.Tensor = features) -> None:

@@ -100,11 +100,18 @@ def draft_predictions(
         noise = noise.to(device=device, dtype=dtype).reshape(1, n * block_size, hidden_size)
         context = features[:context_len].to(device=device, dtype=dtype)[None]
         hidden = model(noise, context, layout.query_position_ids(), layout.context_position_ids(), layout)
-        drafts = hidden.reshape(n, block_size, hidden_size)[:, 1:].reshape(-1, hidden_size)
+        drafts = hidden.reshape(n, block_size, hidden_size)[:, 1:]
         drafts = drafts.to(device=lm_head_weight.device, dtype=lm_head_weight.dtype)
-        tokens = torch.cat(
-            [(rows @ lm_head_weight.t()).argmax(dim=-1) for rows in drafts.split(LOGITS_ROWS)]
-        )
+        selector = getattr(model, "candidate_selector", None)
+        if selector is None:  # DFlash: each position's argmax
+            rows = drafts.reshape(-1, hidden_size)
+            tokens = torch.cat([(chunk @ lm_head_weight.t()).argmax(dim=-1) for chunk in rows.split(LOGITS_ROWS)])
+        else:  # DFlash 2: the selector's greedy path from each block's anchor, as decoding walks it
+            per_chunk = max(1, LOGITS_ROWS // (block_size - 1))
+            anchor_ids = block_ids[:, 0].to(drafts.device)
+            tokens = torch.cat([selector.walk(h.to(selector.hidden_projection.weight.dtype),
+                                              (h @ lm_head_weight.t()).float(), a)[0]
+                                for h, a in zip(drafts.split(per_chunk), anchor_ids.split(per_chunk))])
         out[begin : begin + n] = tokens.view(n, block_size - 1).cpu()
     return out
 

@@ -274,11 +274,6 @@ def make_block_mask(layout: AnchorLayout, sliding_window: int | None = None, com
 # --- masks for an arbitrary query/key position layout (inference with a sliding window, explicit masks) ---
 
 
-def window_dense_mask(q_position_ids: Tensor, k_position_ids: Tensor, sliding_window: int) -> Tensor:
-    """[B, Q, K] bool: key visible iff q_position - k_position < window (not causal, like the block itself)."""
-    return (q_position_ids[:, :, None] - k_position_ids[:, None, :]) < sliding_window
-
-
 def dense_to_block_mask(mask: Tensor, compile: bool | None = None):
     """Wrap an explicit boolean mask [B, Q, K] as a flex-attention BlockMask."""
     from torch.nn.attention.flex_attention import create_block_mask

@@ -12,7 +12,8 @@ import torch
 from dflash.shared.errors import UserError
 from dflash.shared.logs import get_logger
 from dflash.shared.run_files import CHECKPOINT_COMPLETE_FILE, RunFiles
-from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
+from dflash.stage2_train.draft_attention import training_drafter
+from dflash.stage2_train.draft_config import DFlashConfig
 from dflash.stage2_train.export import export_draft
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ def export_checkpoint(run_dir: Path, checkpoint: Path | None = None, out: Path |
         if checkpoint is None:
             raise UserError(f"{files.root} has no complete checkpoint under {files.checkpoints.name}/")
     config = DFlashConfig.from_dict(json.loads(files.draft_config.read_text()))
-    model = DFlashDraftModel(config)
+    model = training_drafter(config)
     model.load_state_dict(checkpoint_weights(checkpoint))
     manifest = json.loads(files.cache_manifest.read_text())
     out = out or files.export

@@ -9,7 +9,7 @@ import click
 from click.core import ParameterSource
 
 from dflash.stage2_train.objective import LOSSES
-from dflash.stage2_train.options import TrainOptions
+from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOptions
 
 
 @click.command("train")
@@ -40,6 +40,18 @@ from dflash.stage2_train.options import TrainOptions
                    "cache extracted with --store-target-topk K.")
 @click.option("--kl-weight", type=click.FloatRange(0, 1), default=TrainOptions.kl_weight, show_default=True,
               help="w of --loss mix: the KL term's share.")
+@click.option("--architecture", type=click.Choice(ARCHITECTURES), default=TrainOptions.architecture,
+              show_default=True,
+              help="dflash = the DFlash drafter; dflash2 = DFlash 2: the same drafter plus a dynamic convolution "
+                   "around each sublayer and a pairwise path selector over the top-16 candidates (exports as "
+                   "DFlash2DraftModel). With --init-from a DFlash export, a dflash2 run starts from that drafter, "
+                   "its new parts identity-initialised.")
+@click.option("--selector-weight", type=click.FloatRange(min=0), default=TrainOptions.selector_weight,
+              show_default=True, help="dflash2: weight of the path selector's loss beside the block loss.")
+@click.option("--selector-missing", type=click.Choice(SELECTOR_MISSING), default=TrainOptions.selector_missing,
+              show_default=True,
+              help="dflash2: where the true token is not among the candidates, inject it (in place of the last "
+                   "candidate) or drop the position from the selector loss. The run logs the candidate recall.")
 @click.option("--lr", type=float, default=TrainOptions.lr, show_default=True,
               help="Peak learning rate of AdamW (warm-up, then cosine to 0).")
 @click.option("--warmup", type=float, default=0.04, show_default=True, help="Warm-up fraction of the steps.")

@@ -46,13 +46,12 @@ from dflash.shared.target_layers import embedding_scale
 from dflash.stage2_train.acceptance import json_safe, offline_acceptance, tau_standard_error
 from dflash.stage2_train.export import load_draft, read_target_info
 from dflash.stage2_train.target_parts import scaled_embedding
+from dflash.stage2_train.modeling_dflash import SpecResult, speculative_generate
 from dflash.stage2_train.speculative import (
-    SpecResult,
     acceptance_by_position,
     first_difference,
     greedy_generate,
     prompt_lookup_generate,
-    speculative_generate,
 )
 
 log = get_logger(__name__)

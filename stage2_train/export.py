@@ -20,9 +20,11 @@ import torch
 
 from dflash.shared.errors import UserError
 from dflash.shared.run_files import CONFIG_FILE, TARGET_INFO_FILE, TARGET_INIT_FILE, WEIGHTS_FILE, RunFiles
-from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
+from dflash.stage2_train.draft_attention import AttnImplementation, training_drafter
+from dflash.stage2_train.draft_config import DFlashConfig
+from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 
-MODELING_FILE = "modeling_dflash.py"  # this package's stage2_train/modeling_dflash.py, shipped with every export
+MODELING_FILE = "modeling_dflash.py"  # the drafter and its loop (stage2_train/modeling_dflash.py), shipped with every export
 
 
 def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any], *, run_dir: Path | None = None,
@@ -39,7 +41,7 @@ def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any
     config["torch_dtype"] = "bfloat16"
     config["dtype"] = "bfloat16"
     # `AutoModel.from_pretrained(EXPORT, trust_remote_code=True)` builds the drafter from the modeling file we ship.
-    config["auto_map"] = {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.DFlashDraftModel"}
+    config["auto_map"] = {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.{type(model).__name__}"}
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     state = {name: tensor.detach().to(torch.bfloat16).contiguous().cpu() for name, tensor in model.state_dict().items()}
     save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -74,23 +76,28 @@ def read_target_info(draft_dir: Path) -> dict[str, Any]:
         raise UserError(f"{path} is not valid JSON ({error}); re-export the drafter") from error
 
 
-def load_draft_weights(model: DFlashDraftModel, export_dir: Path) -> None:
-    """Load an export's weights into `model` (of the export's config), strictly."""
+def load_draft_weights(model: DFlashDraftModel, export_dir: Path, backbone_only: bool = False) -> None:
+    """Load an export's weights into `model` (of the export's config), strictly; with ``backbone_only``, a DFlash
+    export into a DFlash 2 drafter, whose added parts keep their values."""
     from safetensors.torch import load_file
 
     state = load_file(str(export_dir / WEIGHTS_FILE))
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if backbone_only:
+        added = set(model.added_parameter_names())
+        missing = [name for name in missing if name not in added]
     if missing or unexpected:
         raise UserError(f"{export_dir / WEIGHTS_FILE} does not match the DFlash drafter: missing {missing[:5]}, "
                         f"unexpected {unexpected[:5]}")
 
 
-def load_draft(export_dir: Path, attn_implementation: str = "auto") -> DFlashDraftModel:
-    """Load an exported drafter (ours or a reference export) into DFlashDraftModel, strictly."""
+def load_draft(export_dir: Path, attn_implementation: AttnImplementation = "auto") -> DFlashDraftModel:
+    """Load an exported drafter (ours or a reference export) strictly, with the training attention (the offline walk
+    runs the training layouts)."""
     config_path = export_dir / CONFIG_FILE
     if not config_path.is_file():
         raise UserError(f"{export_dir} is not an exported drafter: config.json not found (run `dflash export`)")
     config = DFlashConfig.from_dict(json.loads(config_path.read_text()))
-    model = DFlashDraftModel(config, attn_implementation=attn_implementation)  # type: ignore[arg-type]
+    model = training_drafter(config, attn_implementation)
     load_draft_weights(model, export_dir)
     return model

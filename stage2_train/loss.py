@@ -49,6 +49,8 @@ import math
 import torch
 from torch import Tensor
 
+from dflash.stage2_train.options import SELECTOR_MISSING
+
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_SIZE = 1024
 _GAMMAS = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -292,3 +294,75 @@ def block_loss(
         "num_tokens": count_by_position.sum(),
     }
     return loss, stats
+
+
+SELECTOR_CHUNK_ROWS = 2048  # positions per chunk of the selector loss (its candidates' head rows are recomputed)
+
+
+def selector_loss(
+    selector: torch.nn.Module,
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    block_ids: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    global_weight_sum: Tensor | float,
+    missing: str = "inject",
+    chunk_rows: int = SELECTOR_CHUNK_ROWS,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DFlash 2's path-selector loss of one micro-batch: cross-entropy over the k candidates of S_t(y_{t-1}, .),
+    with the true previous token as predecessor (the anchor at offset 1), under the block loss's position weights
+    and global normalisation (`modeling_dflash.CandidateSelector`).
+
+    hidden [1, N * Bk, H] (the drafter's final hidden states), block_ids / labels [1, N, Bk]. A position counts where
+    its label and its predecessor are known (labels != -100; a predecessor that is an unsupervised position, e.g.
+    the last prompt token inside a block, drops the position). Where the true token is not among the top-k
+    candidates: ``inject`` puts it in place of the last candidate (SpecForge, vLLM speculators and ModelOpt do so),
+    ``drop`` leaves the position out (NeMo Automodel); either way `candidate_hits` / `candidate_positions` give the
+    candidate recall. U_t (the candidates' logits) keeps its gradient: the selector loss also trains the drafter's
+    logits. Memory: chunks of `chunk_rows` positions, each recomputed in backward (`checkpoint`), so only the chunk's
+    [rows, k, H] head rows live at a time.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    if missing not in SELECTOR_MISSING:
+        raise ValueError(f"missing={missing!r}: choose one of {SELECTOR_MISSING}")
+    block_size = labels.shape[-1]
+    hidden = hidden.reshape(-1, block_size, hidden.shape[-1])[:, 1:]
+    truth = labels.reshape(-1, block_size)[:, 1:]
+    predecessor = torch.cat([block_ids.reshape(-1, block_size)[:, :1], truth[:, :-1]], dim=1)
+    valid = (truth != IGNORE_INDEX) & (predecessor != IGNORE_INDEX)
+    rows_hidden, rows_truth, rows_pred = hidden[valid], truth[valid], predecessor[valid]
+    row_weights = weights[1:].to(hidden.device).expand_as(truth)[valid].float()
+    head = lm_head_weight.detach()
+
+    def chunk_loss(h: Tensor, y: Tensor, a: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        with torch.no_grad():
+            _, candidates = selector.candidates(h.to(head.dtype) @ head.T)
+            hit = candidates == y[:, None]
+            found = hit.any(-1)
+            if missing == "inject":
+                candidates[:, -1] = torch.where(found, candidates[:, -1], y)
+                hit[:, -1] |= ~found
+                keep = torch.ones_like(found)
+            else:
+                keep = found
+            index = hit.float().argmax(-1)
+        unary = torch.einsum("nh,nkh->nk", h.to(head.dtype), head[candidates]).float()
+        scores = selector.scores(selector.hidden_projection(h), a, unary, candidates).float()
+        ce = torch.nn.functional.cross_entropy(scores, index, reduction="none")
+        return (w * ce * keep).sum(), found.sum(), keep.sum()
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    hits = torch.zeros((), dtype=torch.long, device=hidden.device)
+    for start in range(0, rows_hidden.shape[0], chunk_rows):
+        part = slice(start, start + chunk_rows)
+        args = (rows_hidden[part], rows_truth[part], rows_pred[part], row_weights[part])
+        loss, found, _ = (checkpoint(chunk_loss, *args, use_reentrant=False) if torch.is_grad_enabled()
+                          else chunk_loss(*args))
+        total = total + loss
+        hits = hits + found
+    denominator = torch.as_tensor(global_weight_sum, dtype=torch.float32, device=total.device)
+    loss = total / denominator.clamp_min(torch.finfo(torch.float32).tiny)
+    return loss, {"candidate_hits": hits.detach(),
+                  "candidate_positions": torch.tensor(rows_hidden.shape[0], device=hidden.device)}

@@ -1,30 +1,68 @@
-"""The modeling file every export ships (as `modeling_dflash.py`, named by the config's `auto_map`), so that a
-drafter loads the way published DFlash drafters do:
+"""The DFlash drafter and its speculative-decoding loop: the one definition of both.
+
+Training (`dflash train`), offline acceptance, `dflash eval` and every export use this file; each export ships it as
+`modeling_dflash.py` (named by the config's `auto_map`), so a drafter loads the way published DFlash drafters do:
 
     draft = AutoModel.from_pretrained(EXPORT, trust_remote_code=True)
     output_ids = draft.spec_generate(input_ids=ids, target=target, max_new_tokens=256, temperature=0.0,
                                      stop_token_ids=[...])
 
-It imports only torch and transformers (it runs outside dflash). The drafter is the same network as
-`draft_model.DFlashDraftModel` at inference (one block, every query sees the whole context; sliding-window layers
-see the last `sliding_window` positions), built from transformers' Qwen3 pieces, and `spec_generate` is the loop of
-`speculative.speculative_generate` (batch size 1): target features are `hidden_states[i + 1]` of the target's own
-forward, the block is embedded by the target's embedding module (so its scale, e.g. Gemma's, applies), the target's
-cache is cropped after each step, or, for recurrent (linear-attention) layers that cannot be cropped, restored from a
-snapshot and fed the accepted tokens again. `last_acceptance_lengths` holds accepted + 1 per step (tau = its mean).
-tests/stage2_train/test_export_modeling.py checks tokens and tau against `speculative_generate`.
+It imports only torch and transformers (it runs outside dflash) and borrows transformers' Qwen3 pieces (RMSNorm,
+MLP, rotary embedding), as z-lab/dflash's `model.py` does. Training-only concerns (block masks of the training
+layouts, grouped SDPA and flex kernels, the loss, compile) live in `draft_attention.py` and the trainer, and reach
+this network through `DFlashDraftModel.attention` (how masks are prepared and attention computed); they define no
+layer.
+
+The network: a stack of Qwen3-style decoder layers whose queries come from the block ("noise") stream only, while
+keys and values are concat(k/v_proj(context), k/v_proj(block stream)). The context is the same tensor for every
+layer: ``hidden_norm(fc(target_features))``, where ``target_features`` concatenates the outputs of the target's
+decoder layers ``target_layer_ids`` (what transformers calls ``hidden_states[i + 1]``). The drafter owns no embedding
+and no LM head: the block [anchor, MASK, ...] is embedded with the target's embedding (times its scale, e.g.
+Gemma's) and the logits are ``target.lm_head(draft(...))``. Weight names equal the reference export
+(``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``norm.weight``,
+``fc.weight``, ``hidden_norm.weight``, ...), without a prefix.
+
+The loop (`speculative_generate`, batch size 1), the semantics of z-lab's `dflash_generate`:
+1. Prefill: the target runs the prompt with its KV cache; forward hooks on its decoder layers ``target_layer_ids``
+   capture the context features (the raw layer outputs, exactly what stage 1 caches). The target's next token is the
+   first "bonus" token. The features become the drafter's context (projected once through fc / hidden_norm and kept:
+   the drafter's only cache).
+2. Draft: one drafter forward over the block [bonus, MASK x (B - 1)] at positions start..start + B - 1; offsets
+   1..B-1 give the draft tokens (argmax, or samples at temperature T).
+3. Verify: one target forward over the whole block. Greedy: accept the longest prefix where draft token k equals the
+   target's argmax at block position k - 1; emit the accepted drafts plus the target's own next token. Sampling:
+   speculative rejection sampling (accept d_k with probability min(1, p(d_k) / q(d_k)); at the first rejection sample
+   from norm(max(0, p - q)); if all pass, sample the extra token from p), so the output is distributed exactly as
+   the target's own samples.
+4. The accepted positions' target features extend the drafter context; the target cache is rolled back to the
+   accepted length (`TargetRunner.rollback`): KV layers are cropped (sliding-window layers record their past until
+   then); recurrent layers of hybrid linear-attention targets (Qwen3-Next, Qwen3.5), which cannot be cropped, are
+   restored from a snapshot taken before the block and fed the accepted tokens again; a cache that refuses `crop` is
+   rebuilt from the kept tokens. tau = mean over steps of accepted + 1.
+Greedy output equals plain greedy decoding token for token, up to floating-point near-ties (the target verifies a
+block of B tokens in one forward, plain decoding one token at a time).
+
+Cache cropping: transformers >= 5.15 `Cache.crop(n)` takes the number of tokens to remove as a negative integer and
+rejects a positive n (older versions read a positive n as the length to keep). `crop_cache(cache, keep)` therefore
+always calls ``crop(-(length - keep))``, which means the same on both, never ``crop(0)``, and falls back to slicing
+the layers' key/value tensors.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import DynamicCache, Qwen3Config
+from torch.utils.checkpoint import checkpoint
+from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3PreTrainedModel,
@@ -33,14 +71,78 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+# ---------------------------------------------------------------------------
+# Configuration: the DFlash fields of a Qwen3 config
+# ---------------------------------------------------------------------------
+
+
+def dflash_value(config: Any, name: str, default: Any = None) -> Any:
+    """A DFlash field of a drafter config: from its `dflash_config` dict, else a top-level attribute (as the
+    reference loader reads them)."""
+    fields = getattr(config, "dflash_config", None) or {}
+    return fields[name] if name in fields else getattr(config, name, default)
+
+
+# ---------------------------------------------------------------------------
+# Attention: q [B, H, Q, D], k/v [B, H_kv, K, D] -> [B, H, Q, D]
+# ---------------------------------------------------------------------------
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """[B, kv_heads, L, D] -> [B, kv_heads * n_rep, L, D] (GQA expansion)."""
+    if n_rep == 1:
+        return x
+    batch, kv_heads, length, dim = x.shape
+    return x[:, :, None].expand(batch, kv_heads, n_rep, length, dim).reshape(batch, kv_heads * n_rep, length, dim)
+
+
+def window_mask(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
+    """[B, Q, K] bool: key visible iff q_position - k_position < window (not causal, like the block itself)."""
+    return (q_pos[:, :, None] - k_pos[:, None, :]) < window
+
+
+class DenseAttention:
+    """Inference attention: an optional boolean mask [B, Q, K] (True = attend) and torch SDPA.
+
+    ``prepare(spec, window, q_pos, k_pos)`` turns the forward's ``attention_mask`` (None: every query sees every
+    key; or a boolean tensor [B, Q, K] / [B, 1, Q, K]) into what ``attend`` takes for a layer with the given sliding
+    window; training swaps in `draft_attention.TrainingAttention`, which also takes the training layouts."""
+
+    @staticmethod
+    def prepare(spec: Any, window: int | None, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        dense = None
+        if spec is not None:
+            dense = spec.bool() if spec.dim() == 3 else spec.bool()[:, 0]
+        if window is not None:
+            in_window = window_mask(q_pos, k_pos, window)
+            dense = in_window if dense is None else dense & in_window
+        return None if dense is None else dense[:, None]
+
+    @staticmethod
+    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, scale=scaling)
+
+
+Attend = Callable[[Tensor, Tensor, Tensor, Any, float], Tensor]
+
+
+# ---------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------
+
 
 class DFlashAttention(nn.Module):
-    """Queries from the block; keys/values from [context; block]; q/k RMSNorm per head; RoPE; not causal."""
+    """Queries from the block stream; keys/values from [context; block]; q/k RMSNorm per head; RoPE; not causal."""
 
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} not a multiple of kv heads={self.num_kv_heads}")
         self.scaling = self.head_dim**-0.5
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
@@ -50,7 +152,8 @@ class DFlashAttention(nn.Module):
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, hidden: Tensor, context: Tensor, q_rope: tuple[Tensor, Tensor], k_rope: tuple[Tensor, Tensor],
-                mask: Tensor | None) -> Tensor:
+                mask: Any, attend: Attend) -> Tensor:
+        """hidden [B, Q, H] (normed block stream), context [B, C, H] (projected target features) -> [B, Q, H]."""
         batch, q_len, _ = hidden.shape
         kv_input = torch.cat([context, hidden], dim=1)
         kv_len = kv_input.shape[1]
@@ -59,166 +162,771 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(kv_input).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, _ = apply_rotary_pos_emb(q, q, *q_rope)
         _, k = apply_rotary_pos_emb(k, k, *k_rope)
-        repeat = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, scale=self.scaling)
+        out = attend(q, k, v, mask, self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim))
 
 
 class DFlashDecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x), context); then x + mlp(norm(x)). A DFlash 2 layer wraps each
+    sublayer in a `GroupedDynamicConv` (`attention_conv`, `mlp_conv`: None in DFlash)."""
+
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"DFlash draft layers use SwiGLU (silu); got hidden_act={config.hidden_act!r}")
         self.self_attn = DFlashAttention(config, layer_idx)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv: GroupedDynamicConv | None = None
+        self.mlp_conv: GroupedDynamicConv | None = None
 
     def forward(self, hidden: Tensor, context: Tensor, q_rope: tuple[Tensor, Tensor], k_rope: tuple[Tensor, Tensor],
-                mask: Tensor | None) -> Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, q_rope, k_rope, mask)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+                mask: Any, attend: Attend) -> Tensor:
+        x = self.input_layernorm(hidden)
+        if self.attention_conv is None:
+            hidden = hidden + self.self_attn(x, context, q_rope, k_rope, mask, attend)
+        else:
+            x, taps = self.attention_conv.prepare(x)
+            hidden = hidden + self.attention_conv.finish(self.self_attn(x, context, q_rope, k_rope, mask, attend), taps)
+        x = self.post_attention_layernorm(hidden)
+        if self.mlp_conv is None:
+            return hidden + self.mlp(x)
+        x, taps = self.mlp_conv.prepare(x)
+        return hidden + self.mlp_conv.finish(self.mlp(x), taps)
 
 
-def _recurrent(layer: Any) -> bool:
-    return hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")
+# ---------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
+    """The DFlash drafter: context projection (fc + hidden_norm), decoder layers over the block, final norm."""
+
     config_class = Qwen3Config
     base_model_prefix = ""
     _no_split_modules = ["DFlashDecoderLayer"]
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
-        dflash = dict(getattr(config, "dflash_config", None) or {})
-        self.block_size = int(config.block_size)
-        self.mask_token_id = int(dflash["mask_token_id"])
-        self.target_layer_ids = [int(i) for i in dflash["target_layer_ids"]]
         self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)  # non-persistent buffers only: not in the state dict
+        self.layer_types: list[str] = list(getattr(config, "layer_types", None)
+                                           or ["full_attention"] * config.num_hidden_layers)
+        if len(self.layer_types) != config.num_hidden_layers:
+            raise ValueError(f"{len(self.layer_types)} layer_types for {config.num_hidden_layers} layers")
+        self.attention: Any = DenseAttention  # see DenseAttention; training sets draft_attention.TrainingAttention
+        self.gradient_checkpointing = False
         self.last_acceptance_lengths: list[int] = []
         self.post_init()
 
-    def forward(self, noise_embedding: Tensor, target_hidden: Tensor, position_ids: Tensor) -> Tensor:
-        """noise_embedding [1, B, H] (the block), target_hidden [1, C, n * H] (raw context features), position_ids
-        [1, C + B] (context then block) -> drafter hidden states [1, B, H]."""
-        context = self.hidden_norm(self.fc(target_hidden))
-        q_pos = position_ids[:, context.shape[1]:]
-        q_rope, k_rope = self.rotary_emb(noise_embedding, q_pos), self.rotary_emb(noise_embedding, position_ids)
-        masks: dict[str, Tensor | None] = {"full_attention": None}
-        if "sliding_attention" in self.layer_types:
-            window = int(self.config.sliding_window)
-            masks["sliding_attention"] = ((q_pos[:, :, None] - position_ids[:, None, :]) < window)[:, None]
+    @property
+    def block_size(self) -> int:
+        return int(dflash_value(self.config, "block_size", 16))
+
+    @property
+    def mask_token_id(self) -> int:
+        return int(dflash_value(self.config, "mask_token_id"))
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        ids = dflash_value(self.config, "target_layer_ids")
+        if ids is None:
+            raise ValueError("the drafter config has no dflash_config.target_layer_ids")
+        return [int(i) for i in ids]
+
+    @property
+    def embed_scale(self) -> float:
+        """The target's embedding scale the block is embedded with (1.0 unless the target scales, e.g. Gemma)."""
+        return float(dflash_value(self.config, "embed_scale", 1.0))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Reference initialisation: Linear ~ N(0, initializer_range), RMSNorm weights = 1."""
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        elif isinstance(module, Qwen3RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            self._init_weights(module)
+
+    def window(self, layer_type: str) -> int | None:
+        """The sliding window of a layer type (None: full attention)."""
+        if layer_type == "full_attention":
+            return None
+        if layer_type == "sliding_attention":
+            if self.config.sliding_window is None:
+                raise ValueError("a sliding_attention layer needs config.sliding_window")
+            return int(self.config.sliding_window)
+        raise ValueError(f"unsupported layer type {layer_type!r}")
+
+    def project_context(self, target_hidden: Tensor) -> Tensor:
+        """[B, C, n * H] raw concatenated target features -> [B, C, H] = hidden_norm(fc(features))."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def forward(self, noise_embedding: Tensor, target_hidden: Tensor, q_position_ids: Tensor,
+                k_position_ids: Tensor | None = None, attention_mask: Any = None, *,
+                projected: bool = False) -> Tensor:
+        """Drafter hidden states [B, Q, H] (after the final norm) for the block stream.
+
+        noise_embedding: [B, Q, H] target embeddings of the blocks ([anchor, MASK, ...] per block, times the
+        target's embedding scale). target_hidden: [B, C, n * H] raw concatenated target features (or, with
+        ``projected``, the context already through `project_context`). q_position_ids: [B, Q] positions of the block
+        queries; k_position_ids: [B, C] context positions (default 0..C-1). attention_mask: what `self.attention`
+        prepares (`DenseAttention`: None or a boolean mask). Logits = target lm_head(output), computed outside.
+        """
+        batch = noise_embedding.shape[0]
+        context = target_hidden if projected else self.project_context(target_hidden)
+        if k_position_ids is None:
+            k_position_ids = torch.arange(context.shape[1], device=noise_embedding.device).expand(batch, -1)
+        all_k_pos = torch.cat([k_position_ids, q_position_ids], dim=1)
+        q_rope = self.rotary_emb(noise_embedding, q_position_ids)
+        k_rope = self.rotary_emb(noise_embedding, all_k_pos)
+        masks = {layer_type: self.attention.prepare(attention_mask, self.window(layer_type), q_position_ids,
+                                                    all_k_pos)
+                 for layer_type in set(self.layer_types)}
         hidden = noise_embedding
         for layer, layer_type in zip(self.layers, self.layer_types):
-            hidden = layer(hidden, context, q_rope, k_rope, masks[layer_type])
+            args = (hidden, context, q_rope, k_rope, masks[layer_type], self.attention.attend)
+            if self.gradient_checkpointing and self.training:
+                hidden = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                hidden = layer(*args)
         return self.norm(hidden)
 
-    # ------------------------------------------------------------------------------------------ generation
-
-    def _target_step(self, target: Any, cache: Any, ids: list[int], start: int) -> tuple[Tensor, Tensor]:
-        device = target.get_input_embeddings().weight.device
-        name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-        out = target(input_ids=torch.tensor([ids], device=device), **{name: cache}, use_cache=True,
-                     position_ids=torch.arange(start, start + len(ids), device=device)[None],
-                     output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
-        return out.logits[0].float(), features
-
-    def _rollback(self, target: Any, cache: Any, snapshot: dict[int, Any], start: int, kept: list[int]) -> None:
-        """Cache back to `start + len(kept)` positions: crop KV layers to `start`, restore recurrent ones, refeed."""
-        if snapshot:
-            for index, layer in enumerate(cache.layers):
-                if index in snapshot:
-                    cache.layers[index] = snapshot[index]
-                elif layer.get_seq_length() > start:
-                    layer.crop(start - layer.get_seq_length())
-            if kept:
-                self._target_step(target, cache, kept, start)
-        else:
-            cache.crop(start + len(kept) - cache.get_seq_length())
-
-    def draft_logits(self, target: Any, bonus: int, context: Tensor, start: int) -> Tensor:
-        """float32 logits [B - 1, V] of the drafts after `bonus` at position `start`, from the raw context features
-        [1, start, n * H]: the block [bonus, MASK...] embedded by the target's own embedding module, scored by its
-        LM head."""
-        embed, device = target.get_input_embeddings(), next(self.parameters()).device
-        block = torch.full((1, self.block_size), self.mask_token_id, device=embed.weight.device)
-        block[0, 0] = bonus
-        noise = embed(block).to(device, self.dtype)
-        positions = torch.arange(start + self.block_size, device=device)[None]
-        hidden = self(noise, context.to(device, self.dtype), positions)[0, 1:]
-        head = target.get_output_embeddings().weight
-        return (hidden.to(head.device, head.dtype) @ head.T).float()
-
     @torch.inference_mode()
-    def spec_generate(self, input_ids: Tensor, target: Any, max_new_tokens: int = 256, temperature: float = 0.0,
-                      stop_token_ids: list[int] | None = None) -> Tensor:
+    def spec_generate(self, input_ids: Any, target: nn.Module, max_new_tokens: int = 256,
+                      temperature: float = 0.0, stop_token_ids: Sequence[int] | None = None,
+                      generator: torch.Generator | None = None) -> Tensor:
         """Speculative decoding of one prompt (batch 1) -> [1, prompt + new] token ids (the new ones end after the
-        first stop token); greedy output equals the target's own greedy decoding."""
-        stops = {int(t) for t in (stop_token_ids or [])}
-        prompt = [int(t) for t in input_ids.reshape(-1).tolist()]
-        cache = DynamicCache(config=target.config)
-        for layer in cache.layers:
-            if hasattr(layer, "activate_past_recording") and not _recurrent(layer):
-                layer.activate_past_recording()
+        first stop token); greedy output equals the target's own greedy decoding. ``input_ids``: ids [1, L] or [L],
+        a list, or what ``tokenizer.apply_chat_template(..., return_tensors="pt")`` returns (a mapping holding
+        ``input_ids`` in transformers 5). `last_acceptance_lengths` holds accepted + 1 per step (tau = its mean)."""
+        prompt = prompt_ids(input_ids)
+        result = speculative_generate(target, self, target.get_input_embeddings().weight,
+                                      target.get_output_embeddings().weight, prompt, self.target_layer_ids,
+                                      max_new_tokens, stop_token_ids or [], temperature=temperature,
+                                      generator=generator, embed_scale=self.embed_scale)
+        self.last_acceptance_lengths = [a + 1 for a in result.accepted]
+        device = input_ids.device if isinstance(input_ids, Tensor) else self.device
+        return torch.tensor([prompt + result.tokens], dtype=torch.long, device=device)
 
-        def pick(logits: Tensor) -> Tensor:
+
+# ---------------------------------------------------------------------------
+# DFlash 2: a dynamic grouped convolution around each sublayer, and the pairwise path selector
+# ---------------------------------------------------------------------------
+
+
+def block_shift(x: Tensor, offset: int, block_size: int) -> Tensor:
+    """x [B, Q, H] (Q a multiple of `block_size`, blocks contiguous) -> x_{t - offset} within each block: zeros where
+    t - offset falls before the block's first position, so nothing crosses a block boundary."""
+    if offset == 0:
+        return x
+    blocks = x.unflatten(1, (-1, block_size))
+    return F.pad(blocks[:, :, :-offset], (0, 0, offset, 0)).flatten(1, 2)
+
+
+class GroupedDynamicConv(nn.Module):
+    """Two-tap dynamic grouped convolution around a sublayer (DFlash 2).
+
+    From the sublayer's normed input x, ``kernel_projection`` (H -> 2 * K * G, G = H / group_size) gives per-group
+    dynamic taps d, added to the static ``base_kernel`` [2, K, H]. Before the sublayer (`prepare`):
+    y_t = sum_o (base[0, o] + d[t, 0, o, group]) * x_{t-o}; after it (`finish`), on the sublayer output f:
+    z_t = sum_o (base[1, o] + d[t, 1, o, group]) * f_{t-o}. Taps stay inside a block (`block_shift`). Identity
+    initialisation (`reset_identity`): unit self-tap, zero elsewhere, zero projection, so y = x and z = f."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int) -> None:
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"conv_group_size {group_size} does not divide the hidden size {hidden_size}")
+        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    @torch.no_grad()
+    def reset_identity(self) -> None:
+        self.base_kernel.zero_()
+        self.base_kernel[:, 0] = 1.0
+        self.kernel_projection.weight.zero_()
+
+    def _convolve(self, x: Tensor, dynamic: Tensor, base: Tensor) -> Tensor:
+        """sum over taps o of (base[o] + dynamic[..., o, group]) * x_{t-o}; dynamic [B, Q, K, G], base [K, H]."""
+        out = torch.zeros_like(x)
+        for offset in range(self.kernel_size):
+            values = block_shift(x, offset, self.block_size)
+            grouped = values.unflatten(-1, (self.groups, self.group_size))
+            out = out + base[offset].to(x.dtype) * values + (dynamic[..., offset, :, None] * grouped).flatten(-2)
+        return out
+
+    def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(the convolved sublayer input, the taps `finish` uses) from the normed input x [B, Q, H]."""
+        dynamic = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, self.groups))
+        return self._convolve(x, dynamic[..., 0, :, :], self.base_kernel[0]), dynamic[..., 1, :, :]
+
+    def finish(self, f: Tensor, taps: Tensor) -> Tensor:
+        return self._convolve(f, taps, self.base_kernel[1])
+
+
+class CandidateSelector(nn.Module):
+    """The pairwise path selector (DFlash 2).
+
+    At each block position t the candidates are the top-k drafter logits (U_t their values); a candidate b after the
+    predecessor a scores S_t(a, b) = U_t(b) + <A[a] * P(h_t), B[b]>, with codebooks A (``predecessor_codebook``) and
+    B (``successor_codebook``) [V, r] and P (``hidden_projection``): H -> r. Decoding walks the block from its anchor
+    (`walk`). Identity initialisation (`reset_identity`): B = 0, so S = U and the walk picks DFlash's tokens."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        rank = int(dflash_value(config, "selector_rank"))
+        self.top_k = int(dflash_value(config, "selector_top_k"))
+        self.predecessor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+        self.initializer_range = float(getattr(config, "initializer_range", 0.02))
+
+    @torch.no_grad()
+    def reset_identity(self) -> None:
+        nn.init.normal_(self.predecessor_codebook, mean=0.0, std=self.initializer_range)
+        self.successor_codebook.zero_()
+        nn.init.normal_(self.hidden_projection.weight, mean=0.0, std=self.initializer_range)
+
+    def candidates(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """(U, candidate ids), each [..., k]: the top-k of logits [..., V], highest first."""
+        return torch.topk(logits, self.top_k, dim=-1)
+
+    def scores(self, projected: Tensor, predecessors: Tensor, unary: Tensor, candidates: Tensor) -> Tensor:
+        """S(a, b) [..., k] for predecessors a [...], P(h) ``projected`` [..., r], U and candidates [..., k]."""
+        query = self.predecessor_codebook[predecessors] * projected
+        successors = self.successor_codebook[candidates].to(query.dtype)
+        return unary + torch.einsum("...r,...kr->...k", query, successors).to(unary.dtype)
+
+    def walk(self, hidden: Tensor, logits: Tensor, anchors: Tensor, temperature: float = 0.0,
+             generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The path through a block: hidden [N, T, H] and logits [N, T, V] of block positions 1..T, anchors [N].
+        Greedy: b_t = argmax S_t(b_{t-1}, .); at temperature T a sample from softmax(S_t / T) over the candidates.
+        Returns (tokens [N, T], candidates [N, T, k], the proposal probabilities over the candidates [N, T, k] when
+        sampling, else None)."""
+        unary, candidates = self.candidates(logits)
+        projected = self.hidden_projection(hidden)
+        predecessor = anchors
+        path, proposals = [], []
+        for t in range(hidden.shape[1]):
+            scores = self.scores(projected[:, t], predecessor, unary[:, t], candidates[:, t]).float()
+            if temperature > 0:
+                probs = torch.softmax(scores / temperature, dim=-1)
+                index = _sample(probs, generator).to(candidates.device)
+                proposals.append(probs)
+            else:
+                index = scores.argmax(-1)
+            predecessor = candidates[:, t].gather(-1, index[:, None])[:, 0]
+            path.append(predecessor)
+        return torch.stack(path, 1), candidates, (torch.stack(proposals, 1) if proposals else None)
+
+    def propose(self, hidden: Tensor, logits: Tensor, anchor: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> tuple[list[int], Tensor | None]:
+        """One block's draft tokens (hidden [T, H] and float logits [T, V] of positions 1..T) and, when sampling,
+        the probabilities they were drawn from over the whole vocabulary [T, V] (the proposal over the candidates,
+        zero elsewhere): what rejection sampling verifies against."""
+        anchors = torch.tensor([anchor], device=logits.device)
+        tokens, candidates, proposal = self.walk(hidden[None].to(logits.device, self.hidden_projection.weight.dtype),
+                                                 logits[None], anchors, temperature, generator)
+        if proposal is None:
+            return tokens[0].tolist(), None
+        return tokens[0].tolist(), torch.zeros_like(logits).scatter_(-1, candidates[0], proposal[0].to(logits.dtype))
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """The DFlash 2 drafter: the DFlash drafter plus a `GroupedDynamicConv` around each sublayer and a
+    `CandidateSelector`. Freshly built (or grown from a DFlash drafter: `reset_identity`), it computes exactly what
+    its DFlash backbone computes and picks the same greedy tokens."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)  # the backbone, initialised as a DFlash drafter of the same seed is
+        kernel_size = int(dflash_value(config, "conv_kernel_size"))
+        group_size = int(dflash_value(config, "conv_group_size"))
+        for layer in self.layers:
+            layer.attention_conv = GroupedDynamicConv(config.hidden_size, kernel_size, group_size, self.block_size)
+            layer.mlp_conv = GroupedDynamicConv(config.hidden_size, kernel_size, group_size, self.block_size)
+        self.candidate_selector = CandidateSelector(config)
+        self.reset_identity()
+
+    def added_parameter_names(self) -> list[str]:
+        """The weights DFlash 2 adds to its DFlash backbone."""
+        return [name for name, _ in self.named_parameters()
+                if name.startswith("candidate_selector.") or ".attention_conv." in name or ".mlp_conv." in name]
+
+    def reset_identity(self) -> None:
+        """Identity initialisation of the DFlash 2 parts (the backbone is left as it is)."""
+        for module in self.modules():
+            if isinstance(module, (GroupedDynamicConv, CandidateSelector)):
+                module.reset_identity()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # transformers initialises weights missing from a checkpoint module by module: the DFlash 2 parts get their
+        # identity values (set after their Linear children, which the generic rule would otherwise randomise).
+        super()._init_weights(module)
+        if isinstance(module, (GroupedDynamicConv, CandidateSelector)):
+            module.reset_identity()
+
+
+def drafter_for(config: Qwen3Config) -> DFlashDraftModel:
+    """A freshly initialised drafter of the architecture the config names (DFlash, or DFlash 2)."""
+    if "DFlash2DraftModel" in (getattr(config, "architectures", None) or []):
+        return DFlash2DraftModel(config)
+    return DFlashDraftModel(config)
+
+
+# ---------------------------------------------------------------------------
+# The target side of the loop: cache creation / cropping, layer hooks, forwards, rollback
+# ---------------------------------------------------------------------------
+
+
+def new_cache(model: nn.Module) -> Any:
+    """An empty DynamicCache for the target (layer types from its config where the version supports it)."""
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # versions whose DynamicCache takes no config
+        cache = DynamicCache()
+    # Sliding-window layers keep what a rollback needs until `crop`; recurrent layers are snapshotted instead (their
+    # past recording covers only the conv state, and it grows without bound when nothing is cropped).
+    for layer in getattr(cache, "layers", None) or []:
+        if hasattr(layer, "activate_past_recording") and not has_recurrent_state(layer):
+            layer.activate_past_recording()
+    return cache
+
+
+def has_recurrent_state(layer: Any) -> bool:
+    """A cache layer with a state that `crop` cannot rewind: linear attention / SSM (conv and recurrent states)."""
+    return hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states")
+
+
+def cache_length(cache: Any) -> int:
+    return int(cache.get_seq_length())
+
+
+def crop_cache(cache: Any, keep: int) -> None:
+    """Cut the cache back to its first ``keep`` positions, on old and new transformers alike (see the module
+    docstring); if `crop` is missing or leaves the wrong length, the layers' key/value tensors are sliced."""
+    current = cache_length(cache)
+    if keep > current:
+        raise ValueError(f"cannot crop a cache of {current} positions to {keep}")
+    remove = current - keep
+    if remove == 0:
+        return
+    if hasattr(cache, "crop"):
+        try:
+            cache.crop(-remove)
+        except (ValueError, RuntimeError, NotImplementedError):
+            pass
+        if cache_length(cache) == keep:
+            return
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        if any(getattr(layer, "is_sliding", False) or has_recurrent_state(layer) for layer in layers):
+            raise RuntimeError(f"{type(cache).__name__} refused crop and holds windowed or recurrent layers")
+        for layer in layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys[..., :keep, :]
+                layer.values = layer.values[..., :keep, :]
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = keep
+    elif hasattr(cache, "key_cache"):  # transformers 4.4x-4.5x
+        for i in range(len(cache.key_cache)):
+            cache.key_cache[i] = cache.key_cache[i][..., :keep, :]
+            cache.value_cache[i] = cache.value_cache[i][..., :keep, :]
+        if hasattr(cache, "_seen_tokens"):
+            cache._seen_tokens = keep
+    if cache_length(cache) != keep:
+        raise RuntimeError(f"could not crop the KV cache ({type(cache).__name__}) to {keep} positions")
+
+
+def target_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer list of a transformers causal LM: `model.get_decoder().layers`."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (`model.get_decoder().layers`)")
+    return layers
+
+
+class TargetRunner:
+    """Runs the target with its KV cache; captures the outputs of its decoder layers ``layer_ids`` through forward
+    hooks (the raw layer outputs, as stage 1 caches them) while inside `hooked()`."""
+
+    def __init__(self, target: nn.Module, layer_ids: Sequence[int] = ()) -> None:
+        self.target = target
+        self.layer_ids = list(layer_ids)
+        self.device = next(target.parameters()).device
+        self.cache = new_cache(target)
+        params = set(inspect.signature(target.forward).parameters)
+        # transformers >= 5.2x names the KV cache argument `cache`; older versions `past_key_values`.
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in params
+        self._outputs: dict[int, Tensor] | None = None  # layer id -> output of the last forward, while hooked
+        self.history: list[int] = []  # the token ids the cache holds, in order (for recomputation)
+        self._snapshot: dict[int, Any] | None = None  # recurrent layers as they were before the block being verified
+        self._block_start = 0  # the cache length when that snapshot was taken
+
+    @contextmanager
+    def hooked(self) -> Iterator[TargetRunner]:
+        """Capture the outputs of `layer_ids` in every forward inside."""
+        layers = target_decoder_layers(self.target)
+        bad = [i for i in self.layer_ids if not 0 <= i < len(layers)]
+        if bad:
+            raise ValueError(f"layers {bad} do not exist: the target has layers 0..{len(layers) - 1}")
+        outputs: dict[int, Tensor] = {}
+
+        def keep(layer_id: int) -> Callable[..., None]:
+            def hook(_module: Any, _inputs: Any, output: Any) -> None:
+                outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        handles = [layers[i].register_forward_hook(keep(i)) for i in self.layer_ids]
+        self._outputs = outputs
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._outputs = None
+
+    def forward(self, ids: Sequence[int] | Tensor, start: int, last_only: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Run positions start..start + len(ids) - 1 (the cache must hold exactly ``start`` positions).
+
+        Returns float32 logits [L, V] (or [1, V] with ``last_only``) and the captured features [1, L, n * H] (None
+        without layer_ids)."""
+        if cache_length(self.cache) != start:
+            raise RuntimeError(f"target cache holds {cache_length(self.cache)} positions, expected {start}")
+        ids_list = [int(t) for t in (ids.reshape(-1).tolist() if isinstance(ids, Tensor) else ids)]
+        if self.layer_ids and self._outputs is None:
+            raise RuntimeError("TargetRunner.forward with layer_ids needs `with runner.hooked():`")
+        if self._outputs is not None:
+            self._outputs.clear()
+        out = self._run(ids_list, start, last_only)
+        features = None
+        if self.layer_ids:
+            assert self._outputs is not None
+            features = torch.cat([self._outputs[i] for i in self.layer_ids], dim=-1)
+            self._outputs.clear()
+        logits = out.logits[0]
+        if last_only:
+            logits = logits[-1:]
+        return logits.float(), features
+
+    def _run(self, ids: list[int], start: int, last_only: bool = False) -> Any:
+        """One target forward of ``ids`` at positions start.. through the cache (extends `history`)."""
+        ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
+        kwargs: dict[str, Any] = {self._cache_kwarg: self.cache, "use_cache": True}
+        if last_only and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.target(input_ids=ids_t, position_ids=positions, **kwargs)
+        self.history.extend(ids)
+        return out
+
+    def verify(self, ids: Sequence[int], start: int) -> tuple[Tensor, Tensor | None]:
+        """`forward` of a block that `rollback` may later cut: first snapshots the layers `crop` cannot rewind
+        (recurrent states of linear-attention layers; small and of fixed size, unlike a KV cache)."""
+        layers = getattr(self.cache, "layers", None) or []
+        recurrent = {i: layer for i, layer in enumerate(layers) if has_recurrent_state(layer)}
+        self._snapshot = {i: copy.deepcopy(layer) for i, layer in recurrent.items()} if recurrent else None
+        self._block_start = start
+        return self.forward(ids, start)
+
+    def rollback(self, keep: int) -> None:
+        """Make the cache hold exactly its first ``keep`` positions, as if only they had been fed.
+
+        KV layers (full and, with past recording, sliding-window) are cropped. Recurrent layers are restored from the
+        snapshot taken by `verify` (the state before the block) and the kept part of the block is fed again. A cache
+        whose `crop` refuses is rebuilt by feeding the kept tokens from scratch."""
+        current = cache_length(self.cache)
+        if keep > current:
+            raise ValueError(f"cannot roll a cache of {current} positions back to {keep}")
+        snapshot, self._snapshot = self._snapshot, None
+        if keep == current:
+            return
+        kept = self.history[:keep]
+        if snapshot is not None:
+            start = self._block_start
+            if keep < start:
+                raise ValueError(f"cannot roll back to {keep}: the snapshot holds position {start} onwards")
+            for index, layer in snapshot.items():
+                self.cache.layers[index] = layer
+            for index, layer in enumerate(self.cache.layers):
+                if index not in snapshot and layer.get_seq_length() > start:
+                    layer.crop(start - layer.get_seq_length())
+            del self.history[start:]
+            if keep > start:
+                self._run(kept[start:], start)
+        else:
+            try:
+                crop_cache(self.cache, keep)
+                del self.history[keep:]
+            except (RuntimeError, ValueError, NotImplementedError):
+                if len(self.history) != current:
+                    raise
+                self.cache = new_cache(self.target)
+                self.history = []
+                self._run(kept, 0)
+        if cache_length(self.cache) != keep:
+            raise RuntimeError(f"could not roll the target cache ({type(self.cache).__name__}) back to {keep}")
+
+
+# ---------------------------------------------------------------------------
+# The drafter side of the loop
+# ---------------------------------------------------------------------------
+
+
+class DraftRunner:
+    """The drafter side of the loop: its context (projected once per new feature row) and one block proposal."""
+
+    def __init__(self, draft: DFlashDraftModel, embed_weight: Tensor, lm_head_weight: Tensor,
+                 embed_scale: float = 1.0) -> None:
+        self.draft_model = draft
+        param = next(draft.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = draft.block_size
+        self.mask_token_id = draft.mask_token_id
+        self.embed_weight = embed_weight
+        self.embed_scale = embed_scale
+        self.lm_head_weight = lm_head_weight
+        self.context: Tensor | None = None  # projected [1, C, H]
+
+    @property
+    def context_length(self) -> int:
+        return 0 if self.context is None else int(self.context.shape[1])
+
+    def extend(self, features: Tensor) -> None:
+        """Append the target features [1, n, n_layers * H] of the next n positions to the drafter context."""
+        projected = self.draft_model.project_context(features.to(self.device, self.dtype))
+        self.context = projected if self.context is None else torch.cat([self.context, projected], dim=1)
+
+    def block_hidden(self, bonus: int, start: int) -> Tensor:
+        """Drafter hidden states [1, B, H] of the block [bonus, MASK...] at positions start..start + B - 1."""
+        if self.context_length != start:
+            raise RuntimeError(f"drafter context holds {self.context_length} positions, expected {start}")
+        ids = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=self.embed_weight.device)
+        ids[0, 0] = bonus
+        noise = F.embedding(ids, self.embed_weight)
+        if self.embed_scale != 1.0:  # as transformers' scaled embeddings do: times the scale in the weight's dtype
+            noise = noise * torch.tensor(self.embed_scale, dtype=noise.dtype, device=noise.device)
+        noise = noise.to(self.device, self.dtype)
+        q_pos = torch.arange(start, start + self.block_size, device=self.device).unsqueeze(0)
+        k_pos = torch.arange(start, device=self.device).unsqueeze(0)
+        assert self.context is not None
+        return self.draft_model(noise, self.context, q_pos, k_pos, projected=True)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """float32 logits [..., V] of drafter hidden states [..., H] (the target's LM head)."""
+        weight = self.lm_head_weight
+        return (hidden.to(weight.device, weight.dtype) @ weight.T).float()
+
+    def propose(self, bonus: int, start: int) -> Tensor:
+        """float32 logits [B - 1, V] of block offsets 1..B-1 (the draft positions)."""
+        return self.logits(self.block_hidden(bonus, start)[0, 1:])
+
+    def draft(self, bonus: int, start: int, temperature: float,
+              generator: torch.Generator | None) -> tuple[list[int], Tensor | None]:
+        """The block's draft tokens (B - 1) and, when sampling, the probabilities they were drawn from [B - 1, V]
+        (what rejection sampling verifies against). DFlash: each position's argmax or a sample of its softmax.
+        DFlash 2: the selector's path from the anchor (probabilities: the proposal over the candidates, zero
+        elsewhere)."""
+        selector = getattr(self.draft_model, "candidate_selector", None)
+        if selector is None:
+            logits = self.propose(bonus, start)
             if temperature <= 0:
-                return logits.argmax(-1)
-            return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1).squeeze(-1)
+                return logits.argmax(-1).tolist(), None
+            probs = torch.softmax(logits / temperature, dim=-1)
+            return _sample(probs, generator).tolist(), probs
+        hidden = self.block_hidden(bonus, start)[0, 1:]
+        return selector.propose(hidden, self.logits(hidden), bonus, temperature, generator)
 
-        logits, features = self._target_step(target, cache, prompt, 0)
-        tokens = [int(pick(logits[-1]))]
-        context, start = features, len(prompt)
-        self.last_acceptance_lengths = []
-        while tokens[-1] not in stops and len(tokens) < max_new_tokens:
-            draft_logits = self.draft_logits(target, tokens[-1], context, start)
-            if temperature > 0:
-                draft_probs = torch.softmax(draft_logits / temperature, dim=-1)
-                drafts = torch.multinomial(draft_probs, 1).squeeze(-1).tolist()
-            else:
-                drafts = draft_logits.argmax(-1).tolist()
-            layers = getattr(cache, "layers", [])
-            snapshot = {i: copy.deepcopy(layer) for i, layer in enumerate(layers) if _recurrent(layer)}
-            target_logits, block_features = self._target_step(target, cache, [tokens[-1], *drafts], start)
-            accepted = 0
-            if temperature > 0:
+
+# ---------------------------------------------------------------------------
+# Sampling and verification
+# ---------------------------------------------------------------------------
+
+
+def _sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One sample per row of probs [N, V] -> [N] (on the generator's device when one is given)."""
+    if generator is not None:
+        probs = probs.to(generator.device)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _uniform(n: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    gen_device = generator.device if generator is not None else device
+    return torch.rand(n, generator=generator, device=gen_device)
+
+
+def pick_token(logits: Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """Greedy argmax or a temperature sample from logits [V]."""
+    if temperature <= 0:
+        return int(logits.argmax(-1))
+    return int(_sample(torch.softmax(logits[None] / temperature, dim=-1), generator)[0])
+
+
+def verify_greedy(draft_tokens: list[int], target_logits: Tensor) -> tuple[int, int]:
+    """(accepted, next token): longest prefix with d_k == argmax at block position k - 1; next = argmax there."""
+    posterior = target_logits.argmax(-1).tolist()
+    accepted = 0
+    while accepted < len(draft_tokens) and draft_tokens[accepted] == posterior[accepted]:
+        accepted += 1
+    return accepted, posterior[accepted]
+
+
+def verify_sampling(draft_tokens: list[int], draft_probs: Tensor, target_probs: Tensor,
+                    generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative rejection sampling. draft_probs [B-1, V] (q), target_probs [B, V] (p at block positions 0..B-1).
+
+    d_k is accepted with probability min(1, p_{k-1}(d_k) / q_k(d_k)); at the first rejection the next token comes
+    from norm(max(0, p - q)); if all drafts pass it comes from p at the last block position."""
+    n = len(draft_tokens)
+    index = torch.tensor(draft_tokens, dtype=torch.long, device=draft_probs.device).unsqueeze(-1)
+    q = draft_probs.gather(-1, index).squeeze(-1)
+    p = target_probs[:n].to(draft_probs.device).gather(-1, index).squeeze(-1)
+    ratio = (p / q.clamp_min(1e-30)).clamp(max=1.0)
+    passed = (_uniform(n, generator, draft_probs.device).to(ratio.device) < ratio).tolist()
+    accepted = 0
+    while accepted < n and passed[accepted]:
+        accepted += 1
+    if accepted == n:
+        return accepted, int(_sample(target_probs[n:n + 1], generator)[0])
+    residual = (target_probs[accepted].to(draft_probs.device) - draft_probs[accepted]).clamp_min(0.0)
+    total = residual.sum()
+    if not bool(total > 0):  # p == q exactly: rejection has probability 0, kept for numerical safety
+        residual, total = target_probs[accepted], target_probs[accepted].sum()
+    return accepted, int(_sample((residual / total)[None], generator)[0])
+
+
+def clip_step(emitted: list[int], room: int, stops: set[int]) -> tuple[list[int], bool]:
+    """Cut a step's tokens after the first stop token and to ``room`` tokens; True if generation ends here."""
+    for i, token in enumerate(emitted):
+        if token in stops:
+            emitted = emitted[: i + 1]
+            return emitted[:room], True
+    if len(emitted) >= room:
+        return emitted[:room], True
+    return emitted, False
+
+
+# ---------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class SpecResult:
+    """What one generation produced: new tokens only, per-step accepted draft counts, target steps, wall time."""
+
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)
+    steps: int = 0
+    seconds: float = 0.0
+    target_forwards: int | None = None  # prompt lookup: target forward calls made by `generate` (prefill included)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: mean over steps of accepted + 1 (nan without steps)."""
+        if not self.accepted:
+            return float("nan")
+        return sum(a + 1 for a in self.accepted) / len(self.accepted)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
+
+
+def prompt_ids(input_ids: Any) -> list[int]:
+    """One prompt's token ids from a [1, L] / [L] tensor, a list, or a mapping holding `input_ids` (what
+    `apply_chat_template(..., return_tensors="pt")` returns in transformers 5: a BatchEncoding)."""
+    if not isinstance(input_ids, (Tensor, list, tuple)) and hasattr(input_ids, "keys") and "input_ids" in input_ids:
+        input_ids = input_ids["input_ids"]
+    if isinstance(input_ids, Tensor):
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"batch size 1 only; got input_ids of shape {tuple(input_ids.shape)}")
+            input_ids = input_ids[0]
+        return [int(t) for t in input_ids.tolist()]
+    if input_ids and isinstance(input_ids[0], (list, tuple)):
+        if len(input_ids) != 1:
+            raise ValueError(f"batch size 1 only; got {len(input_ids)} prompts")
+        input_ids = input_ids[0]
+    return [int(t) for t in input_ids]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: nn.Module,
+    draft: DFlashDraftModel,
+    embed_weight: Tensor,
+    lm_head_weight: Tensor,
+    input_ids: Any,
+    layer_ids: Sequence[int],
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    embed_scale: float = 1.0,
+) -> SpecResult:
+    """DFlash speculative decoding of one prompt (batch size 1); see the module docstring.
+
+    ``embed_weight`` / ``lm_head_weight``: the target's input embedding and LM head matrices [V, H]; the block
+    embedding is ``embed_weight`` rows times ``embed_scale``. ``layer_ids``: the target layers whose outputs form
+    the drafter context (the drafter's target_layer_ids). Returns the new tokens (cut after the first stop token,
+    which is kept, and to ``max_new_tokens``), and per step the accepted draft count (a step cut short counts what
+    it emitted, minus one)."""
+    prompt = prompt_ids(input_ids)
+    if not prompt:
+        raise ValueError("empty prompt")
+    if max_new_tokens <= 0:
+        return SpecResult(tokens=[])
+    stops = {int(t) for t in stop_token_ids}
+    runner = TargetRunner(target, layer_ids)
+    drafter = DraftRunner(draft, embed_weight, lm_head_weight, embed_scale)
+    tokens: list[int] = []
+    accepted: list[int] = []
+    with runner.hooked():
+        synchronize(runner.device)
+        started = time.perf_counter()
+        logits, features = runner.forward(prompt, 0, last_only=True)
+        bonus = pick_token(logits[-1], temperature, generator)
+        tokens.append(bonus)
+        assert features is not None
+        drafter.extend(features)
+        start = len(prompt)
+        done = bonus in stops or len(tokens) >= max_new_tokens
+        while not done:
+            draft_tokens, draft_probs = drafter.draft(bonus, start, temperature, generator)
+            target_logits, features = runner.verify([bonus, *draft_tokens], start)
+            if draft_probs is not None:
                 target_probs = torch.softmax(target_logits / temperature, dim=-1)
-                while accepted < len(drafts):
-                    d = drafts[accepted]
-                    ratio = target_probs[accepted, d] / draft_probs[accepted, d].clamp_min(1e-30)
-                    if torch.rand(()) >= ratio.clamp(max=1.0):
-                        break
-                    accepted += 1
-                if accepted < len(drafts):
-                    residual = (target_probs[accepted] - draft_probs[accepted].to(target_probs.device)).clamp_min(0)
-                    residual = residual if residual.sum() > 0 else target_probs[accepted]
-                    following = int(torch.multinomial(residual / residual.sum(), 1))
-                else:
-                    following = int(torch.multinomial(target_probs[accepted], 1))
+                n_acc, next_token = verify_sampling(draft_tokens, draft_probs, target_probs, generator)
             else:
-                posterior = target_logits.argmax(-1).tolist()
-                while accepted < len(drafts) and drafts[accepted] == posterior[accepted]:
-                    accepted += 1
-                following = posterior[accepted]
-            emitted = [*drafts[:accepted], following]
-            for i, token in enumerate(emitted):
-                if token in stops:
-                    emitted = emitted[: i + 1]
-                    break
-            emitted = emitted[: max_new_tokens - len(tokens)]
+                n_acc, next_token = verify_greedy(draft_tokens, target_logits)
+            emitted, done = clip_step([*draft_tokens[:n_acc], next_token], max_new_tokens - len(tokens), stops)
             tokens.extend(emitted)
-            self.last_acceptance_lengths.append(len(emitted))
-            if tokens[-1] in stops or len(tokens) >= max_new_tokens:
+            accepted.append(len(emitted) - 1)
+            if done:
                 break
-            kept = [tokens[-len(emitted) - 1], *drafts[:accepted]]  # the bonus token and the accepted drafts
-            context = torch.cat([context, block_features[:, : accepted + 1]], dim=1)
-            if accepted + 1 < self.block_size:
-                self._rollback(target, cache, snapshot, start, kept)
-            start += accepted + 1
-        return torch.tensor([prompt + tokens], dtype=torch.long, device=input_ids.device)
+            assert features is not None
+            drafter.extend(features[:, : n_acc + 1])
+            start += n_acc + 1
+            runner.rollback(start)
+            bonus = next_token
+        synchronize(runner.device)
+        seconds = time.perf_counter() - started
+    return SpecResult(tokens=tokens, accepted=accepted, steps=len(accepted), seconds=seconds)

@@ -13,6 +13,11 @@ DEFAULT_MAX_ANCHORS = 512  # the reference's anchors per sequence; with a densit
 # 64 anchors for ~400-token answers (1/6 of the answer; docs/benchmarks.md).
 DEFAULT_ANCHOR_DENSITY = 1 / 6
 DEFAULT_KL_WEIGHT = 0.5  # --kl-weight: the KL term's share of `--loss mix` (the cross-entropy has the rest)
+ARCHITECTURES = ("dflash", "dflash2")  # --architecture: the drafter DFlash, or DFlash 2 (modeling_dflash.py)
+SELECTOR_MISSING = ("inject", "drop")  # --selector-missing (loss.selector_loss)
+DEFAULT_ARCHITECTURE = "dflash"  # --architecture: DFlash stays the default until measurement says otherwise
+DEFAULT_SELECTOR_WEIGHT = 1.0  # --selector-weight: DFlash 2's selector loss beside the block loss (as peers weigh it)
+DEFAULT_SELECTOR_MISSING = "inject"  # --selector-missing: the true token put among the candidates where it is not
 
 
 @dataclass
@@ -27,6 +32,9 @@ class TrainOptions:
     mask_token_id: int | None = None
     loss: str = "ce"
     kl_weight: float = DEFAULT_KL_WEIGHT
+    architecture: str = DEFAULT_ARCHITECTURE
+    selector_weight: float = DEFAULT_SELECTOR_WEIGHT
+    selector_missing: str = DEFAULT_SELECTOR_MISSING
     lr: float = 6e-4
     warmup: float = 0.04
     weight_decay: float = 0.0

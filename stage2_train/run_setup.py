@@ -28,7 +28,9 @@ from dflash.stage2_train.data import (
     make_loader,
     plan_epoch,
 )
-from dflash.stage2_train.draft_model import DFlashConfig, DFlashDecoderLayer, DFlashDraftModel, config_from_target
+from dflash.stage2_train.draft_attention import training_drafter
+from dflash.stage2_train.draft_config import DFLASH2_DEFAULTS, DFlashConfig, config_from_target
+from dflash.stage2_train.modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from dflash.stage2_train.loss import default_gamma, position_weights
 from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, fake_oom_sequences, in_use_bytes,
                                              limit_from_option, make_plan, step_bytes)
@@ -139,7 +141,7 @@ class TrainingRun:
         if not self.is_main:
             return None
         with torch.device(self.device):  # not meta: the rotary inv_freq buffer is not in the state dict
-            whole = DFlashDraftModel(self.config, attn_implementation=self.options.attention)  # type: ignore[arg-type]
+            whole = training_drafter(self.config, self.options.attention)
         whole.load_state_dict(state)
         return whole
 
@@ -167,7 +169,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     parts = load_target_parts(cache)
     config, mask_token_id = drafter_config(options, manifest, parts, files)
     torch.manual_seed(options.seed)
-    model = DFlashDraftModel(config, attn_implementation=options.attention)  # type: ignore[arg-type]
+    model = training_drafter(config, options.attention)
     if options.init_from is not None:
         init_from_export(model, config, manifest, options.init_from)
     target_init = init_from_target(model, cache, options.init_from_target) if options.init_from_target else None
@@ -327,7 +329,7 @@ def drafter_config(options: TrainOptions, manifest: dict[str, Any], parts: Targe
         layer_types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
     config = config_from_target(parts.config, layer_ids, num_layers, options.block_size, mask_token_id,
                                 layer_types=layer_types, sliding_window=options.sliding_window,
-                                embed_scale=parts.embed_scale)
+                                embed_scale=parts.embed_scale, architecture=options.architecture)
     return config, mask_token_id
 
 
@@ -336,6 +338,7 @@ def config_differences(config: DFlashConfig, before: dict[str, Any], what: str) 
     now = config.to_dict()
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "num_hidden_layers", "vocab_size", "block_size", "num_target_layers", "dflash_config", "layer_types")
+    before = {**before, "block_size": (before.get("dflash_config") or {}).get("block_size", before.get("block_size"))}
     # Drafters exported before dflash recorded the target's embedding scale and model type trained with scale 1 and
     # say nothing of the type: they match a config that records scale 1 (and any type).
     recorded = dict(before.get("dflash_config") or {})
@@ -359,7 +362,22 @@ def init_from_export(model: DFlashDraftModel, config: DFlashConfig, manifest: di
     if not config_path.is_file():
         raise UserError(f"--init-from {export_dir}: no config.json there: give the export folder of a run "
                         "(RUN/export, or what `dflash export` wrote)")
-    differences = config_differences(config, json.loads(config_path.read_text()), "the export")
+    exported = json.loads(config_path.read_text())
+    architecture = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}.get(
+        next(iter(exported.get("architectures") or []), ""))
+    if architecture is None:
+        raise UserError(f"--init-from {export_dir}: its config.json describes {exported.get('architectures')}, not a "
+                        "DFlash drafter (DFlashDraftModel or DFlash2DraftModel): give the export folder of a run")
+    if architecture != config.architecture and architecture == "dflash2":
+        raise UserError(f"--init-from {export_dir} is a DFlash 2 drafter: train it on with --architecture dflash2")
+    # A DFlash drafter grows into a DFlash 2 one: its backbone, the new parts identity-initialised (the same
+    # outputs at the first step); only the backbone's fields are compared.
+    grow = architecture == "dflash" and config.architecture == "dflash2"
+    if grow:
+        exported["dflash_config"] = {**(exported.get("dflash_config") or {}),
+                                     **{key: value for key, value in config.dflash_config.items()
+                                        if key in DFLASH2_DEFAULTS}}
+    differences = config_differences(config, exported, "the export")
     trained_for = read_target_info(export_dir).get("target_hash")
     target_hash = manifest["identity"].get("target_hash")
     same_target = same_target_hash(trained_for, target_hash)
@@ -370,10 +388,11 @@ def init_from_export(model: DFlashDraftModel, config: DFlashConfig, manifest: di
         log.warning("--init-from: %s and the cache recorded their target's hash by different rules (one was made "
                     "before 2026-12-05): the targets are not compared", export_dir)
     if differences:
-        raise UserError(f"--init-from: the drafter in {export_dir} does not match:\n  " + "\n  ".join(differences)
-                        + "\nstart from an export made with the same target and drafter flags")
-    load_draft_weights(model, export_dir)  # the config matched: the same shapes, no second drafter built
-    log.info("--init-from: starting from the weights of %s", export_dir)
+        raise UserError(f"--init-from: the drafter in {export_dir} does not match ({'; '.join(differences)}): start "
+                        "from an export made with the same target and drafter flags")
+    load_draft_weights(model, export_dir, backbone_only=grow)  # the config matched: the same shapes
+    log.info("--init-from: starting from the weights of %s%s", export_dir,
+             " (a DFlash drafter: the DFlash 2 parts start as the identity)" if grow else "")
 
 
 def plan_memory(run: TrainingRun) -> MemoryPlan:

@@ -21,7 +21,9 @@ from dflash.shared import cache_format as cf
 from dflash.shared.errors import UserError
 from dflash.shared.logs import get_logger
 from dflash.shared.target_layers import DECODER_LAYER_TENSORS, select_layers
-from dflash.stage2_train.draft_model import DFlashDraftModel, DFlashRMSNorm
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 
 log = get_logger(__name__)
 
@@ -67,7 +69,7 @@ def init_from_target(model: DFlashDraftModel, cache_dir: Path, spec: str) -> dic
             if tuple(value.shape) != tuple(parameter.shape):
                 skipped[target_name] = f"shape {list(value.shape)} in the target, {list(parameter.shape)} here"
                 continue
-            if isinstance(model.get_submodule(target_name.rsplit(".", 1)[0]), DFlashRMSNorm):
+            if isinstance(model.get_submodule(target_name.rsplit(".", 1)[0]), Qwen3RMSNorm):
                 if offset is None:
                     skipped[target_name] = "the target's norms are not plain RMSNorms (unknown weight offset)"
                     continue

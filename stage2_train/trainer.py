@@ -35,9 +35,9 @@ from dflash.stage2_train.data import (
     start_loader,
     stop_loader,
 )
-from dflash.stage2_train.draft_model import DFlashDraftModel
+from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.export import export_draft, load_draft
-from dflash.stage2_train.loss import weight_sum
+from dflash.stage2_train.loss import selector_loss, weight_sum
 from dflash.stage2_train.memory_plan import FAKE_OOM_SEQUENCES_ENV, GIB, measured_peak_bytes
 from dflash.stage2_train.objective import MicroBatch
 from dflash.stage2_train.run_setup import TrainingRun, TrainOptions, setup_run
@@ -163,7 +163,16 @@ def forward_loss(run: TrainingRun, micro: MicroBatch, global_weight_sum: Tensor)
     with run.accelerator.autocast():
         hidden = run.model(noise, micro.features, micro.layout.query_position_ids(),
                            micro.layout.context_position_ids(), micro.layout)
-    return run.objective(hidden, run.lm_head, micro, run.position_weights, global_weight_sum)
+    loss, stats = run.objective(hidden, run.lm_head, micro, run.position_weights, global_weight_sum)
+    selector = getattr(run.accelerator.unwrap_model(run.model), "candidate_selector", None)
+    if selector is not None:  # DFlash 2: plus the path selector's loss (--selector-weight)
+        term, counts = selector_loss(selector, hidden, run.lm_head, micro.block_ids, micro.labels,
+                                     run.position_weights, global_weight_sum, missing=run.options.selector_missing)
+        stats.setdefault("terms", {})["block"] = loss.detach()
+        stats["terms"]["selector"] = term.detach()
+        loss = loss + run.options.selector_weight * term
+        stats["counts"] = counts
+    return loss, stats
 
 
 def train_step(run: TrainingRun, loader_batches: list[dict[str, Any]],
@@ -214,7 +223,7 @@ def retry_smaller(run: TrainingRun, loader_batches: list[dict[str, Any]], reason
 
 
 def accumulate_gradients(run: TrainingRun, micro_batches: list[MicroBatch]
-                         ) -> tuple[Tensor, dict[str, Tensor], Tensor, Tensor, int]:
+                         ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor], Tensor, Tensor, int]:
     """Forward and backward over this rank's micro-batches of a global step, gradients accumulated; returns the
     step's summed loss, its named loss terms, the correct and counted labels by block offset, and the block
     tokens, for `update_weights`."""
@@ -225,6 +234,7 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[MicroBatch]
     correct = torch.zeros(options.block_size, device=run.device)
     counted = torch.zeros(options.block_size, device=run.device)
     terms: dict[str, Tensor] = {}  # the objective's named loss terms (e.g. ce and kl of --loss mix)
+    counts: dict[str, Tensor] = {}  # DFlash 2: candidate hits and positions, for the candidate recall
     block_tokens = 0
     for i, micro in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -235,17 +245,19 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[MicroBatch]
         step_loss += loss.detach()
         for name, value in stats.get("terms", {}).items():
             terms[name] = terms.get(name, 0) + value.detach()
+        for name, value in stats.get("counts", {}).items():
+            counts[name] = counts.get(name, 0) + value
         correct += stats["correct_by_position"].float()
         counted += stats["count_by_position"].float()
         block_tokens += int(micro.layout.block_valid.sum()) * options.block_size
         if run.fake_oom_sequences is not None and micro.sequences > run.fake_oom_sequences:
             raise torch.OutOfMemoryError(f"fake out-of-memory error ({FAKE_OOM_SEQUENCES_ENV}="
                                          f"{run.fake_oom_sequences}, {micro.sequences} sequences)")
-    return step_loss, terms, correct, counted, block_tokens
+    return step_loss, terms, counts, correct, counted, block_tokens
 
 
-def update_weights(run: TrainingRun, step_loss: Tensor, terms: dict[str, Tensor], correct: Tensor, counted: Tensor,
-                   block_tokens: int) -> dict[str, Any]:
+def update_weights(run: TrainingRun, step_loss: Tensor, terms: dict[str, Tensor], counts: dict[str, Tensor],
+                   correct: Tensor, counted: Tensor, block_tokens: int) -> dict[str, Any]:
     """The optimizer step after `accumulate_gradients`; returns the step's metrics record."""
     accelerator, options = run.accelerator, run.options
     if options.clip:
@@ -263,6 +275,10 @@ def update_weights(run: TrainingRun, step_loss: Tensor, terms: dict[str, Tensor]
               "block_tokens": block_tokens * run.world}
     for name in sorted(terms):
         record[f"loss_{name}"] = float(accelerator.reduce(terms[name], reduction="sum"))
+    if counts:  # DFlash 2: how often the true token is among the selector's candidates
+        hits = float(accelerator.reduce(counts["candidate_hits"].float(), reduction="sum"))
+        positions = float(accelerator.reduce(counts["candidate_positions"].float(), reduction="sum"))
+        record["candidate_recall"] = hits / max(positions, 1.0)
     return record
 
 

@@ -102,7 +102,7 @@ def _drafter_follows_the_target(export: Path, model_dir: Path, family: str) -> d
     """The exported config's sizes come from the target; the block embedding is what the target feeds layer 0."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.stage2_train.draft_model import DFlashConfig
+    from dflash.stage2_train.draft_config import DFlashConfig
     from dflash.stage2_train.target_parts import load_target_parts
 
     config = json.loads((export / "config.json").read_text())

@@ -20,7 +20,9 @@ from dflash.shared.errors import UserError
 from dflash.shared.target_layers import DECODER_LAYER_TENSORS, norm_weight_offset, select_layers
 from dflash.shared.target_loading import local_model_files, resolve_target
 from dflash.stage1_extract.target_export import export_decoder_layers
-from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target
+from dflash.stage2_train.draft_attention import training_drafter
+from dflash.stage2_train.draft_config import config_from_target
+from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.run_setup import setup_run
 from dflash.stage2_train.target_init import init_from_target
@@ -36,7 +38,7 @@ def smollm2_folder() -> Path:
 
 def drafter(config: object) -> DFlashDraftModel:
     torch.manual_seed(SEED)
-    return DFlashDraftModel(config)  # type: ignore[arg-type]
+    return training_drafter(config)  # type: ignore[arg-type]
 
 
 def smollm2_drafter_config(layers: int) -> object:

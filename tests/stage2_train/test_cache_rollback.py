@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash.stage2_train import modeling_dflash as loop
 from dflash.stage2_train import speculative as spec
-from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target
+from dflash.stage2_train.draft_config import config_from_target
+from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from tests.end_to_end.families import build_family
 
 FAMILIES = ["qwen3_next", "gpt_oss", "gemma3_text", "llama"]
@@ -36,21 +38,21 @@ def test_rollback_equals_a_fresh_forward_of_the_kept_prefix(targets: dict, famil
     target = targets[family]
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(100, 5000, (60,), generator=generator).tolist()
-    runner = spec.TargetRunner(target)
+    runner = loop.TargetRunner(target)
     position = 20
     with torch.inference_mode():
         runner.forward(tokens[:position], 0)
         for keep in (0, 3, 1, 6, 2, 5, 0):  # kept block positions of 6 (6 = all accepted, nothing to roll back)
             runner.verify(tokens[position:position + 6], position)
             runner.rollback(position + keep)
-            assert spec.cache_length(runner.cache) == position + keep
+            assert loop.cache_length(runner.cache) == position + keep
             position += keep
             tokens[position] = (tokens[position] + 7) % 5000  # the next block differs from the rejected tail
         logits, _ = runner.forward(tokens[position:position + 3], position)
         fresh = target(input_ids=torch.tensor([tokens[:position + 3]])).logits[0, position:].float()
     torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
     if family == "qwen3_next":
-        assert any(spec.has_recurrent_state(layer) for layer in runner.cache.layers)
+        assert any(loop.has_recurrent_state(layer) for layer in runner.cache.layers)
 
 
 def _oracle(monkeypatch: pytest.MonkeyPatch, reference: list[int], prompt_len: int, vocab: int) -> None:
@@ -58,7 +60,7 @@ def _oracle(monkeypatch: pytest.MonkeyPatch, reference: list[int], prompt_len: i
     wrong = [2, None, 1, 3, 2, None]
     steps = [0]
 
-    def propose(self: spec.DraftRunner, bonus: int, start: int) -> torch.Tensor:
+    def propose(self: loop.DraftRunner, bonus: int, start: int) -> torch.Tensor:
         offset = wrong[steps[0] % len(wrong)]
         steps[0] += 1
         logits = torch.zeros(BLOCK - 1, vocab)
@@ -68,7 +70,7 @@ def _oracle(monkeypatch: pytest.MonkeyPatch, reference: list[int], prompt_len: i
             logits[k - 1, (token + 1) % vocab if k == offset else token] = 1.0
         return logits
 
-    monkeypatch.setattr(spec.DraftRunner, "propose", propose)
+    monkeypatch.setattr(loop.DraftRunner, "propose", propose)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "gpt_oss"])
@@ -86,7 +88,7 @@ def test_partly_accepted_blocks_stay_lossless(targets: dict, family: str, crop_r
         def refuse(_cache: object, _keep: int) -> None:
             raise RuntimeError("refused")
 
-        monkeypatch.setattr(spec, "crop_cache", refuse)
-    result = spec.speculative_generate(target, draft, embed, head, prompt, [1, 2], 40, [])
+        monkeypatch.setattr(loop, "crop_cache", refuse)
+    result = loop.speculative_generate(target, draft, embed, head, prompt, [1, 2], 40, [])
     assert result.tokens == reference[:40]
     assert {1, 2} & set(result.accepted) and BLOCK - 1 in result.accepted  # partial and whole blocks

@@ -22,14 +22,9 @@ from dflash.stage2_train.attention_masks import (
     dense_mask,
     grouped_dense_mask,
 )
-from dflash.stage2_train.draft_model import (
-    DFlashConfig,
-    DFlashDraftModel,
-    config_from_target,
-    eager_attention,
-    grouped_attention,
-    sdpa_attention,
-)
+from dflash.stage2_train.draft_attention import eager_attention, grouped_attention, sdpa_attention, training_drafter
+from dflash.stage2_train.draft_config import DFlashConfig, config_from_target
+from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, BLOCK = 64, 4, 2, 2, 4
 TARGET_LAYER_IDS = [1, 3, 5]
@@ -81,7 +76,7 @@ def make_config(**overrides) -> DFlashConfig:
 def make_model(config: DFlashConfig | None = None, backend: str = "eager", seed: int = 0) -> DFlashDraftModel:
     """A model with large random weights (norm weights around 1) so every path matters numerically."""
     torch.manual_seed(seed)
-    model = DFlashDraftModel(config or make_config(), attn_implementation=backend)
+    model = training_drafter(config or make_config(), backend)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -346,7 +341,7 @@ def test_sdpa_drafter_with_several_groups_equals_eager(monkeypatch: pytest.Monke
 
 def test_state_dict_keys_and_shapes() -> None:
     config = make_config()
-    model = DFlashDraftModel(config)
+    model = training_drafter(config)
     expected = {"norm.weight": (HIDDEN,), "fc.weight": (HIDDEN, 3 * HIDDEN), "hidden_norm.weight": (HIDDEN,)}
     head_dim, inter = config.head_dim, config.intermediate_size
     for i in range(LAYERS):
@@ -489,9 +484,9 @@ def test_matches_qwen3_primitives() -> None:
 def test_auto_attention_picks_the_measured_faster_backend(hidden: int, device: str, expected: str) -> None:
     config = config_from_target({**TARGET_CONFIG, "hidden_size": hidden, "num_attention_heads": hidden // 64, "num_key_value_heads": 1,
                                  "head_dim": 64}, TARGET_LAYER_IDS, 1, BLOCK, 0)
-    model = DFlashDraftModel(config, "auto")
-    assert model._backend(torch.device(device)) == expected
-    assert DFlashDraftModel(config, "flex")._backend(torch.device("cpu")) == "flex"  # explicit choices stand
+    model = training_drafter(config, "auto")
+    assert model.attention.backend(torch.device(device)) == expected
+    assert training_drafter(config, "flex").attention.backend(torch.device("cpu")) == "flex"  # explicit choices stand
 
 
 def test_exports_from_before_the_embedding_scale_still_match() -> None:

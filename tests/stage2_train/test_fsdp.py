@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash.stage2_train.draft_model import DFlashConfig, DFlashDecoderLayer, DFlashDraftModel
+from dflash.stage2_train.draft_attention import training_drafter
+from dflash.stage2_train.draft_config import DFlashConfig
+from dflash.stage2_train.modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from dflash.stage2_train.run_setup import fsdp_plugin
 
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -27,7 +29,7 @@ CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 def _drafter_and_optimizer() -> tuple[DFlashDraftModel, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = DFlashDraftModel(DFlashConfig(**CONFIG), attn_implementation="sdpa")
+    model = training_drafter(DFlashConfig(**CONFIG), "sdpa")
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

@@ -18,7 +18,9 @@ from dflash.stage2_train.acceptance import (
     walk_acceptance,
 )
 from dflash.stage2_train.attention_masks import AnchorLayout
-from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target
+from dflash.stage2_train.draft_attention import training_drafter
+from dflash.stage2_train.draft_config import config_from_target
+from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.loss import (
     IGNORE_INDEX,
     default_gamma,
@@ -188,7 +190,7 @@ def make_model(backend: str = "sdpa", seed: int = 0, large: bool = True) -> DFla
     """Tiny drafter; ``large`` weights (norm weights around 1) so predictions depend on every input."""
     config = config_from_target(TARGET_CONFIG, TARGET_LAYER_IDS, LAYERS, BLOCK, MASK)
     torch.manual_seed(seed)
-    model = DFlashDraftModel(config, attn_implementation=backend)
+    model = training_drafter(config, backend)
     if large:
         with torch.no_grad():
             for name, param in model.named_parameters():

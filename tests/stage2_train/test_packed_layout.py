@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from dflash.stage2_train.attention_masks import AnchorLayout, PackedLayout, batch_dense_mask, packed_dense_mask
 from dflash.stage2_train.data import block_labels
-from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
+from dflash.stage2_train.draft_attention import training_drafter
+from dflash.stage2_train.draft_config import DFlashConfig
+from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.loss import dflash_loss, position_weights, weight_sum
 
 BLOCK = 4
@@ -28,7 +30,7 @@ def tiny_drafter(backend: str, window: int | None = None) -> DFlashDraftModel:
                           layer_types=["sliding_attention", "full_attention"] if window else None,
                           use_sliding_window=bool(window), sliding_window=window)
     torch.manual_seed(0)
-    return DFlashDraftModel(config, attn_implementation=backend).double()
+    return training_drafter(config, backend).double()
 
 
 def random_batch(seed: int, lengths: list[int], anchors: list[list[int]]):  # noqa: ANN201

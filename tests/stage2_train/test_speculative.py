@@ -18,8 +18,10 @@ import torch
 
 from dflash.shared.errors import UserError
 from dflash.stage2_train.acceptance import tau_standard_error
+from dflash.stage2_train import modeling_dflash as loop
 from dflash.stage2_train import speculative as spec
-from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target
+from dflash.stage2_train.draft_config import config_from_target
+from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.export import export_draft
 
 LAYER_IDS = [1, 8, 14, 20, 27]
@@ -62,12 +64,12 @@ def chat_ids(env: dict, text: str) -> list[int]:
     return list(ids)
 
 
-def run_spec(env: dict, ids: list[int], n: int, **kwargs) -> spec.SpecResult:
-    return spec.speculative_generate(env["target"], env["draft"], env["embed"], env["head"], torch.tensor([ids]),
+def run_spec(env: dict, ids: list[int], n: int, **kwargs) -> loop.SpecResult:
+    return loop.speculative_generate(env["target"], env["draft"], env["embed"], env["head"], torch.tensor([ids]),
                                      LAYER_IDS, n, env["stops"], **kwargs)
 
 
-def check_counts(result: spec.SpecResult) -> None:
+def check_counts(result: loop.SpecResult) -> None:
     """Every step emits accepted + 1 tokens; the prefill emits the first one."""
     assert result.steps == len(result.accepted)
     assert len(result.tokens) == 1 + sum(a + 1 for a in result.accepted)
@@ -99,18 +101,20 @@ def test_greedy_speculative_equals_plain_greedy(env: dict, index: int) -> None:
 
 
 def test_projected_context_equals_full_forward(env: dict) -> None:
-    """The drafter's cached projected context gives what DFlashDraftModel.forward gives on raw features."""
+    """The drafter context the loop keeps (projected once, in pieces, as decoding adds them) gives what
+    DFlashDraftModel.forward gives on the raw features."""
     draft = env["draft"]
     torch.manual_seed(1)
     features = torch.randn(1, 21, len(LAYER_IDS) * 576)
-    cached = spec.DraftRunner(draft, env["embed"], env["head"], cache_context=True)
-    cached.extend(features[:, :13])
-    cached.extend(features[:, 13:])  # added in two pieces, as decoding does
-    plain = spec.DraftRunner(draft, env["embed"], env["head"], cache_context=False)
-    plain.extend(features)
+    runner = loop.DraftRunner(draft, env["embed"], env["head"])
+    runner.extend(features[:, :13])
+    runner.extend(features[:, 13:])  # added in two pieces, as decoding does
+    ids = torch.full((1, BLOCK), draft.mask_token_id)
+    ids[0, 0] = 42
+    noise = torch.nn.functional.embedding(ids, env["embed"])
     with torch.inference_mode():
-        a = cached.block_hidden(bonus=42, start=21)
-        b = plain.block_hidden(bonus=42, start=21)
+        a = runner.block_hidden(bonus=42, start=21)
+        b = draft(noise, features, torch.arange(21, 21 + BLOCK)[None])
     assert a.shape == (1, BLOCK, 576)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -128,7 +132,7 @@ def make_oracle(monkeypatch: pytest.MonkeyPatch, reference: list[int], prompt_le
     """
     seen: list = []
 
-    def propose(self: spec.DraftRunner, bonus: int, start: int) -> torch.Tensor:
+    def propose(self: loop.DraftRunner, bonus: int, start: int) -> torch.Tensor:
         assert self.context_length == start  # the drafter context covers exactly positions < start
         step = len(seen)
         seen.append(self)
@@ -141,7 +145,7 @@ def make_oracle(monkeypatch: pytest.MonkeyPatch, reference: list[int], prompt_le
             logits[k - 1, token] = 100.0
         return logits
 
-    monkeypatch.setattr(spec.DraftRunner, "propose", propose)
+    monkeypatch.setattr(loop.DraftRunner, "propose", propose)
     return seen
 
 
@@ -163,7 +167,7 @@ def test_oracle_drafter_accepts_and_stays_lossless(env: dict, monkeypatch: pytes
 
     # The drafter context holds the target's features of every accepted position (compare with a fresh forward).
     context = runners[-1].context
-    runner = spec.TargetRunner(env["target"], LAYER_IDS)
+    runner = loop.TargetRunner(env["target"], LAYER_IDS)
     with runner.hooked(), torch.inference_mode():
         _, full = runner.forward(ids + result.tokens, 0)
         projected = env["draft"].project_context(full)
@@ -194,7 +198,7 @@ def test_oracle_stops_at_stop_token(env: dict, monkeypatch: pytest.MonkeyPatch) 
 
 
 def filled_cache(env: dict, tokens: list[int]):
-    runner = spec.TargetRunner(env["target"])
+    runner = loop.TargetRunner(env["target"])
     with torch.inference_mode():
         runner.forward(tokens, 0)
     return runner.cache
@@ -202,21 +206,21 @@ def filled_cache(env: dict, tokens: list[int]):
 
 def test_crop_cache(env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = filled_cache(env, list(range(100, 120)))
-    assert spec.cache_length(cache) == 20
-    spec.crop_cache(cache, 20)  # no-op (never crop(0), which empties the cache on old transformers)
-    assert spec.cache_length(cache) == 20
-    spec.crop_cache(cache, 13)
-    assert spec.cache_length(cache) == 13
+    assert loop.cache_length(cache) == 20
+    loop.crop_cache(cache, 20)  # no-op (never crop(0), which empties the cache on old transformers)
+    assert loop.cache_length(cache) == 20
+    loop.crop_cache(cache, 13)
+    assert loop.cache_length(cache) == 13
     assert all(layer.keys.shape[-2] == 13 and layer.values.shape[-2] == 13 for layer in cache.layers)
     with pytest.raises(ValueError):
-        spec.crop_cache(cache, 14)
+        loop.crop_cache(cache, 14)
     # The fallback (slicing the layers) when crop() is missing or refuses.
     def refuse(_n: int) -> None:
         raise ValueError("refused")
 
     monkeypatch.setattr(cache, "crop", refuse)
-    spec.crop_cache(cache, 7)
-    assert spec.cache_length(cache) == 7
+    loop.crop_cache(cache, 7)
+    assert loop.cache_length(cache) == 7
     assert all(layer.keys.shape[-2] == 7 for layer in cache.layers)
 
 
@@ -224,8 +228,8 @@ def test_cropped_cache_decodes_like_a_fresh_one(env: dict) -> None:
     """Positions written after a crop see only the kept prefix: logits equal a cache-free forward."""
     tokens = list(range(200, 230))
     cache = filled_cache(env, tokens[:25])
-    spec.crop_cache(cache, 18)
-    runner = spec.TargetRunner(env["target"])
+    loop.crop_cache(cache, 18)
+    runner = loop.TargetRunner(env["target"])
     runner.cache = cache
     with torch.inference_mode():
         logits, _ = runner.forward(tokens[18:22], 18)
@@ -275,7 +279,7 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
     first = torch.zeros(4)
     second_given_accept = torch.zeros(4)
     for d in drafts:
-        accepted, token = spec.verify_sampling(d, q, p, generator)
+        accepted, token = loop.verify_sampling(d, q, p, generator)
         emitted = [*d[:accepted], token]
         first[emitted[0]] += 1
         if accepted >= 1 and len(emitted) >= 2:

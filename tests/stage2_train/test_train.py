@@ -22,7 +22,8 @@ from dflash.shared.run_files import RunFiles
 from dflash.stage2_train.acceptance import offline_acceptance
 from dflash.stage2_train.data import AnchorRule, CacheIndex, eval_sequences, plan_epoch
 from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY, TrainOptions
-from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
+from dflash.stage2_train.draft_attention import training_drafter
+from dflash.stage2_train.draft_config import DFlashConfig
 from dflash.stage2_train.export import load_draft
 from dflash.stage2_train.target_parts import load_target_parts, resolve_mask_token
 from tests.conftest import REPO, assert_same_training, make_conversations, run_dflash, step_records
@@ -67,7 +68,7 @@ def test_train_learns_beats_untrained_and_exports_the_reference_format(train_cac
     # Reload: the exported folder gives exactly the logits of the trained weights (as stored, bf16).
     reloaded = load_draft(export).eval()
     checkpoint = sorted((run / "checkpoints").glob("step-*"))[-1]
-    trained = DFlashDraftModel(DFlashConfig.from_dict(json.loads((run / "draft_config.json").read_text()))).eval()
+    trained = training_drafter(DFlashConfig.from_dict(json.loads((run / "draft_config.json").read_text()))).eval()
     trained.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in
                              load_file(str(checkpoint / "model.safetensors")).items()})
     generator = torch.Generator().manual_seed(0)
@@ -80,7 +81,7 @@ def test_train_learns_beats_untrained_and_exports_the_reference_format(train_cac
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     trained_tau = [m for m in metrics if "eval/tau_walk" in m][-1]["eval/tau_walk"]
     parts = load_target_parts(train_cache)
-    untrained = DFlashDraftModel(DFlashConfig.from_dict(json.loads((run / "draft_config.json").read_text())))
+    untrained = training_drafter(DFlashConfig.from_dict(json.loads((run / "draft_config.json").read_text())))
     index = CacheIndex.from_cache(train_cache, SPLIT[0], 0)
     with torch.no_grad():
         untrained_tau = offline_acceptance(untrained, parts.embed_tokens.float(), parts.lm_head.float(),
@@ -324,7 +325,7 @@ def test_export_command_exports_the_latest_checkpoint_also_an_fsdp_one(train_cac
                           num_key_value_heads=3, head_dim=64, vocab_size=49152, block_size=16, num_target_layers=30,
                           dflash_config={"mask_token_id": 16, "target_layer_ids": [1, 8, 14, 20, 27]})
     torch.manual_seed(3)
-    states = {step: DFlashDraftModel(config).state_dict() for step in (1, 2)}
+    states = {step: training_drafter(config).state_dict() for step in (1, 2)}
     for layout in ("ddp", "fsdp"):
         run = tmp_path / layout
         (run / "checkpoints").mkdir(parents=True)

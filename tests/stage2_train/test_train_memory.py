@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash.stage2_train.data import AnchorRule, CacheIndex, plan_epoch
-from dflash.stage2_train.draft_model import DFlashConfig, DFlashDraftModel
+from dflash.stage2_train.draft_attention import training_drafter
+from dflash.stage2_train.draft_config import DFlashConfig
 from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY
 from tests.conftest import REPO, run_dflash
 from tests.stage2_train.conftest import TRAIN_ARGS, final_losses
@@ -57,7 +58,7 @@ def test_memory_plan_splits_micro_batches_to_the_same_losses_or_refuses(train_ca
 
     common = PLAN_ARGS
     config = DFlashConfig.from_dict(json.loads((unconstrained_run / "draft_config.json").read_text()))
-    shape = mp.DrafterShape.of(config, sum(p.numel() for p in DFlashDraftModel(config).parameters()), 4)
+    shape = mp.DrafterShape.of(config, sum(p.numel() for p in training_drafter(config).parameters()), 4)
     index = CacheIndex.from_cache(train_cache, 0.15, 0)
     rule = AnchorRule(DEFAULT_ANCHOR_DENSITY, 24, 16)
     need = lambda samples: int(mp.step_bytes(shape, sum(s.length for s in samples),  # noqa: E731
