@@ -135,6 +135,12 @@ def train_command(processes: int | None, compile_: bool, **kwargs: object) -> No
             and kwargs["loss"] != "mix":
         raise click.BadParameter(f"it weighs the KL term of --loss mix only; --loss {kwargs['loss']} would ignore "
                                  "it: add --loss mix, or leave --kl-weight out", param_hint="--kl-weight")
+    for name in ("selector_weight", "selector_missing"):
+        if click.get_current_context().get_parameter_source(name) == ParameterSource.COMMANDLINE \
+                and kwargs["architecture"] != "dflash2":
+            flag = "--" + name.replace("_", "-")
+            raise click.BadParameter(f"it sets DFlash 2's path selector; --architecture {kwargs['architecture']} has "
+                                     f"none: add --architecture dflash2, or leave {flag} out", param_hint=flag)
     resume = rerun_command("--resume", drop_flags=("--overwrite",))
     with exit_on_interrupt("train", f"the last checkpoint is kept; continue with: {resume}"):
         _train(processes, compile_, kwargs)

@@ -40,7 +40,7 @@ from dflash.stage2_train.attention_masks import (
     packed_dense_mask,
     packed_groups,
 )
-from dflash.stage2_train.modeling_dflash import DenseAttention, DFlashDraftModel, drafter_for, repeat_kv, window_mask
+from dflash.stage2_train.modeling_dflash import DenseAttention, DFlashDraftModel, drafter_for, repeat_kv
 
 AttnImplementation = Literal["auto", "eager", "sdpa", "flex"]
 BACKENDS = ("eager", "sdpa", "flex")
@@ -187,15 +187,10 @@ class TrainingAttention:
                 if group < spec.num_blocks:
                     return grouped_dense_mask(spec, window, group)
             return batch_dense_mask(spec, window)[:, None]  # eager, or one group: the whole mask
-        dense = None
-        if spec is not None:
-            dense = spec.bool() if spec.dim() == 3 else spec.bool()[:, 0]
-        if window is not None:
-            in_window = window_mask(q_pos, k_pos, window)
-            dense = in_window if dense is None else dense & in_window
-        if dense is None:
-            return None
-        return dense_to_block_mask(dense) if backend == "flex" else dense[:, None]
+        dense = DenseAttention.prepare(spec, window, q_pos, k_pos)  # None or an explicit mask, windowed
+        if dense is None or backend != "flex":
+            return dense
+        return dense_to_block_mask(dense[:, 0])
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: PreparedMask, scaling: float) -> Tensor:
         kernel = KERNELS[self.backend(q.device)]

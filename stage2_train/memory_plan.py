@@ -27,6 +27,7 @@ import numpy as np
 
 from dflash.shared.errors import UserError
 from dflash.stage2_train.attention_masks import MAX_PACKED_COPIES_RATIO
+from dflash.stage2_train.loss import SELECTOR_CHUNK_ROWS
 
 SAFETY = 1.25  # the estimate is multiplied by this before it is compared with the limit
 CPU_HEADROOM_BYTES = 1 << 30  # left free on a CPU machine for the loader workers' interpreters and the page cache
@@ -49,6 +50,8 @@ class DrafterShape:
     element_bytes: int  # the compute dtype's (4: float32 on CPU, 2: bf16 under mixed precision)
     trainable_params: int
     loss_chunk: int = 1024
+    conv_kernel: int = 0  # DFlash 2: taps of the convolution around each sublayer (0: a DFlash drafter)
+    selector_top_k: int = 0  # DFlash 2: the path selector's candidates per position
 
     @classmethod
     def of(cls, config: Any, trainable_params: int, element_bytes: int) -> DrafterShape:
@@ -56,7 +59,9 @@ class DrafterShape:
                    heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                    layers=config.num_hidden_layers, context_dim=config.num_context_layers * config.hidden_size,
                    vocab=config.vocab_size, block_size=config.block_size, element_bytes=element_bytes,
-                   trainable_params=trainable_params)
+                   trainable_params=trainable_params,  # DFlash 2's codebooks ([V, r] each) are counted here
+                   conv_kernel=int((config.dflash_config or {}).get("conv_kernel_size", 0)),
+                   selector_top_k=int((config.dflash_config or {}).get("selector_top_k", 0)))
 
 
 def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:
@@ -78,9 +83,13 @@ def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:
     mask = 2 * q * k
     attention_out = q * qh * b * 2 + q * h * b * 2
     mlp = q * (4 * i * b + h * b)
-    per_layer = norms + projections + grouped_keys + mask + attention_out + mlp
+    # DFlash 2: per convolution (two per layer) its input, each tap's shifted copy and the output.
+    convs = 2 * q * h * b * (shape.conv_kernel + 2) if shape.conv_kernel else 0
+    per_layer = norms + projections + grouped_keys + mask + attention_out + mlp + convs
     loss = shape.loss_chunk * shape.vocab * fp32 * 2 + 2 * q * h * fp32
-    return context + shape.layers * per_layer + per_layer + loss  # + one layer's gradients in the backward
+    # DFlash 2's selector loss: one chunk's logits (for the candidates) and its candidates' head rows at a time.
+    selector = SELECTOR_CHUNK_ROWS * (shape.vocab * fp32 + 2 * shape.selector_top_k * h * b) if shape.conv_kernel else 0
+    return context + shape.layers * per_layer + per_layer + loss + selector  # + one layer's gradients in backward
 
 
 def fixed_bytes(shape: DrafterShape) -> int:

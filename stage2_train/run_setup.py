@@ -278,6 +278,10 @@ def make_accelerator(options: TrainOptions, files: RunFiles) -> tuple[Any, str]:
     if precision == "auto":
         precision = "bf16" if torch.cuda.is_available() else "no"
     plugins: dict[str, Any] = {}
+    if options.fsdp and options.architecture == "dflash2":
+        # The selector loss reads the selector's weights outside the drafter's forward, where FSDP keeps them
+        # sharded: DFlash 2 trains with DDP (the default) until that is built.
+        raise UserError("--architecture dflash2 does not train with --fsdp yet: leave --fsdp out (DDP)")
     if options.fsdp and not torch.cuda.is_available():
         # Accelerate shards with FSDP only on GPUs; on CPU it would quietly train with DDP instead.
         raise UserError("--fsdp needs CUDA GPUs (Accelerate has no FSDP on CPU); leave it out to train with DDP")

@@ -374,7 +374,9 @@ def test_config_from_target_and_export(tmp_path) -> None:
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architectures"] == ["DFlashDraftModel"] and saved["model_type"] == "qwen3"
-    assert saved["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": TARGET_LAYER_IDS, "embed_scale": 1.0}
+    assert saved["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": TARGET_LAYER_IDS, "embed_scale": 1.0,
+                                      "block_size": BLOCK}  # where DFlash 2 readers look for it
+    assert saved["is_causal"] is False  # the reference loader treats sliding layers as causal unless told
     assert saved["block_size"] == BLOCK and saved["num_target_layers"] == 8 and saved["rope_theta"] == 50000.0
     assert saved["num_hidden_layers"] == LAYERS == len(saved["layer_types"]) and saved["head_dim"] == 16
     reloaded = DFlashConfig.from_pretrained(tmp_path)
