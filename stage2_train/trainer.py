@@ -64,10 +64,14 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
     window_tokens = 0
     steps = step_batches(run)
     while run.state.step < run.total_steps:
+        step_started = time.time()
         record = train_step(run, next(steps), feature_transform)
         run.state.position += options.grad_accum
+        # step_s: this step alone (waiting for the loader, forward, backward, optimizer; no evaluation or
+        # checkpoint): what benchmarks/recipe_bench.py times. elapsed_s: since the loop began, evaluations included.
+        record["step_s"] = round(time.time() - step_started, 4)
         record["elapsed_s"] = round(time.time() - started, 3)
-        window_tokens += record.pop("block_tokens")
+        window_tokens += record["block_tokens"]
         if run.state.step % options.log_every == 0 or run.state.step == run.total_steps:
             elapsed = time.time() - window_start
             record["block_tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
