@@ -1,0 +1,506 @@
+"""The recipe bench: training recipes compared cleanly, each trained alone, at equal steps and schedule.
+
+    python benchmarks/recipe_bench.py run --cache CACHE --out BENCH --steps 600 --eval-every 200 \\
+        --train-flags "--batch-tokens 49152 --num-workers 6" \\
+        --variant ce="--loss ce" --variant kl="--loss kl" \\
+        --variant mix="--loss mix" --variant mix25="--loss mix --kl-weight 0.25"
+    python benchmarks/recipe_bench.py table --out BENCH    # BENCH/bench.md again, from BENCH/bench.json
+
+The first variant is the baseline. Each variant is one `dflash train` process, run one after another (never side
+by side), with the same cache, `--seed`, `--max-steps` (which fixes the cosine schedule's length, so every variant
+has the same learning rate at every step unless its flags change `--lr` or `--warmup`) and `--eval-every`, every
+evaluation over the whole validation split (`--eval-sequences` is refused), then the trainer's own report on the
+whole test split (`report_test_split`: the variant's best validation drafter, `export_best/`). `--train-flags` go
+to every variant, before its own flags; flags that would make the comparison unequal (steps, epochs, evaluation,
+seed, the split) are refused up front. Then live tau (`dflash eval --no-baselines`, by default MT-Bench and
+HumanEval, 20 prompts x 512 new tokens, no time limit) for the baseline and for the best variant by best
+validation tau, one process per variant and dataset, side by side (tau does not depend on speed).
+
+Cost, per variant alone, from its metrics.jsonl: `step_s` (the step's own time: waiting for the loader, forward,
+backward, optimizer; evaluations and checkpoints excluded) and `block_tokens` of each step after the first
+`--untimed-steps` (default 50), which hold the compilation and warm-up and are reported apart (untimed_s);
+s/step (mean and median: a mean well above the median means compilation or stalls inside the timed steps), block
+tokens/s, and the peak memory the trainer measured (CUDA memory allocated by torch, or the CPU resident set, over
+the whole process, evaluations included). Every variant shares one compile cache (TORCHINDUCTOR_CACHE_DIR and
+TRITON_CACHE_DIR under BENCH/compile_cache, unless set), so a kernel compiled once is reused by later variants.
+
+Results: BENCH/results/NAME.json for a variant (written, complete, as soon as it finishes; a failed run is written
+too, with its exit code and last line, and tried again on the next run), BENCH/results/NAME.live.json (one dataset
+added as each live evaluation finishes), and after every one of them BENCH/bench.json (everything) and
+BENCH/bench.md (the tables, generated from bench.json). Every tau comes with its standard error. A rerun with the
+same flags skips every variant and live evaluation whose result is complete (copy results/ from an earlier machine
+into a fresh BENCH to go on there); a variant killed mid-way is trained again from scratch (`--overwrite`: its
+timing must come from one uninterrupted process), as is one whose export a live evaluation needs but whose run
+folder is gone (a fresh machine). A result made with other settings (cache, steps, seed, flags) is refused, never
+overwritten. Train logs: BENCH/logs/NAME.train.out; runs: BENCH/runs/NAME; live evaluations: BENCH/live/.
+
+On the lent GPU: benchmarks/gpu_recipe_bench.sh (the cache, then this bench, detached, results under $OUT). On the
+CPU: tests/benchmarks/test_recipe_bench.py (a tiny cache, two variants).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dflash.shared import cache_format as cf
+from dflash.shared.errors import UserError, user_facing_errors
+from dflash.shared.logs import get_logger, setup_logging
+from dflash.shared.run_files import BEST_RECORD_FILE, CONFIG_FILE, RunFiles
+
+log = get_logger("recipe_bench")
+
+# `dflash train` parameters the bench sets for every variant alike: refused in --train-flags and --variant flags.
+SET_BY_BENCH = ("cache", "out", "max_steps", "epochs", "eval_every", "eval_sequences", "seed", "resume", "overwrite")
+# The validation / test split must be the same for all: allowed in --train-flags only.
+SAME_FOR_ALL = ("eval_fraction", "test_fraction")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # variant names become file names (and come back from the device)
+
+
+def dflash_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dflash.shared.cli", *args]
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """NAME=FLAGS -> (NAME, [flag, ...]); FLAGS may be empty (the plain recipe)."""
+    name, sep, flags = text.partition("=")
+    if not sep or not NAME.fullmatch(name):
+        raise UserError(f"--variant {text!r}: give NAME=FLAGS, NAME of letters, digits, '.', '_' and '-' (e.g. "
+                        "kl=\"--loss kl\")")
+    return name, shlex.split(flags)
+
+
+def check_train_flags(flags: list[str], refused: tuple[str, ...], where: str) -> None:
+    """Parse `flags` as `dflash train` does (a typo fails now, not after the earlier variants trained) and refuse
+    the parameters in `refused`."""
+    from click.core import ParameterSource
+
+    from dflash.stage2_train.cli import train_command
+
+    try:
+        context = train_command.make_context("train", list(flags), default_map={"cache": "."})
+    except click.exceptions.ClickException as error:
+        raise UserError(f"{where}: {error.format_message()}") from None
+    except click.exceptions.Exit:
+        raise UserError(f"{where}: give training flags, not --help") from None
+    given = [f"--{name.replace('_', '-')}" for name in refused
+             if context.get_parameter_source(name) == ParameterSource.COMMANDLINE]
+    if given:
+        raise UserError(f"{where}: {', '.join(given)} would make the variants unequal: the bench sets "
+                        "--steps, --eval-every and --seed for all of them, --eval-fraction / --test-fraction belong "
+                        "in --train-flags, and every evaluation covers the whole validation split")
+
+
+def device_name() -> str:
+    """The GPU's name (nvidia-smi, so that this process holds no CUDA context), else the CPU's core count."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+        if names[0].strip():
+            return names[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Bench:
+    """The folder of one bench (BENCH) and what it holds."""
+
+    def __init__(self, out: Path) -> None:
+        self.root = out.resolve()
+        self.results = self.root / "results"
+        self.runs = self.root / "runs"
+        self.logs = self.root / "logs"
+        self.live = self.root / "live"
+        self.json = self.root / "bench.json"
+        self.table = self.root / "bench.md"
+
+    def result_path(self, name: str) -> Path:
+        return self.results / f"{name}.json"
+
+    def live_path(self, name: str) -> Path:
+        return self.results / f"{name}.live.json"
+
+    def run(self, name: str) -> RunFiles:
+        return RunFiles(self.runs / name)
+
+    def write(self, path: Path, record: dict[str, Any]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cf.write_json_atomic(path, record)
+
+
+# ---------------------------------------------------------------------------------------------------- one variant
+
+
+def train_variant(bench: Bench, name: str, command: list[str], settings: dict[str, Any]) -> dict[str, Any]:
+    """Train one variant alone (its own `dflash train` process, from scratch) and return its result record."""
+    for stale in (bench.result_path(name), bench.live_path(name)):
+        stale.unlink(missing_ok=True)
+    for folder in bench.live.glob(f"{name}--*"):
+        shutil.rmtree(folder)
+    bench.logs.mkdir(parents=True, exist_ok=True)
+    output = bench.logs / f"{name}.train.out"
+    log.info("variant %s: training (%s)", name, shlex.join(command[3:]))
+    started = time.time()
+    with open(output, "w", encoding="utf-8") as handle:
+        code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    wall = round(time.time() - started, 1)
+    record: dict[str, Any] = {"name": name, "settings": settings, "device": device_name(), "wall_s": wall}
+    if code != 0:
+        lines = [line for line in output.read_text(errors="replace").splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("dflash: error:")]
+        record.update(complete=False, exit_code=code, error=(errors or lines or ["(no output)"])[-1])
+        log.warning("variant %s: `dflash train` exited %d after %.0f s: %s (log: %s)", name, code, wall,
+                    record["error"], output)
+        return record
+    record.update(complete=True, exit_code=0, **summarize_run(bench.run(name), settings["untimed_steps"]))
+    best, test = record["best_validation"], record["test"]
+    log.info("variant %s: done in %.0f s; best validation tau %s (step %s), test tau %s", name, wall,
+             tau_text(best and best["tau"], best and best["stderr"]), best and best["step"],
+             tau_text(test and test["tau"], test and test["stderr"]))
+    return record
+
+
+def summarize_run(run: RunFiles, untimed_steps: int) -> dict[str, Any]:
+    """What the bench reports of a finished `dflash train` run: cost, schedule, validation curve, test split."""
+    steps: dict[int, dict[str, Any]] = {}
+    evaluations: dict[int, dict[str, Any]] = {}
+    for line in run.metrics.read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            steps[record["step"]] = record
+        elif "eval/tau_walk" in record:
+            evaluations[record["step"]] = record
+    ordered = [steps[s] for s in sorted(steps)]
+    validation = [{"step": s, "tau": r["eval/tau_walk"], "stderr": r["eval/tau_walk_stderr"],
+                   "sequences": r["eval/sequences"]} for s, r in sorted(evaluations.items())]
+    trained = [v for v in validation if v["step"] > 0]
+    best = json.loads((run.export_best / BEST_RECORD_FILE).read_text()) if (
+        run.export_best / BEST_RECORD_FILE).is_file() else None
+    best_validation = next((v for v in trained if best is not None and v["step"] == best["step"]),
+                           max(trained, key=lambda v: v["tau"]) if trained else None)
+    test = read_json(run.test_results)
+    schedule = [[r["step"], r["lr"]] for r in ordered]
+    last = ordered[-max(1, len(ordered) // 10):]  # the last tenth of the steps: the loss the variant ended at
+    return {
+        "steps": len(ordered),
+        "schedule_sha1": hashlib.sha1(json.dumps(schedule).encode()).hexdigest(),
+        "lr_peak": max(r["lr"] for r in ordered),
+        "final_loss": statistics.fmean(r["loss"] for r in last),
+        "cost": step_cost(ordered, untimed_steps),
+        "validation": validation,
+        "best_validation": best_validation,
+        "test": None if test is None else {
+            "step": test["step"], "drafter": test["drafter"], "tau": test["tau_walk"],
+            "stderr": test["tau_walk_stderr"], "sequences": test["sequences"]},
+    }
+
+
+def step_cost(steps: list[dict[str, Any]], untimed_steps: int) -> dict[str, Any]:
+    """s/step, block tokens/s and peak memory over the steps after the first `untimed_steps`."""
+    timed = [r for r in steps if r["step"] > untimed_steps]
+    seconds = sum(r["step_s"] for r in timed)
+    tokens = sum(r["block_tokens"] for r in timed)
+    return {
+        "untimed_steps": untimed_steps,
+        "untimed_s": round(sum(r["step_s"] for r in steps if r["step"] <= untimed_steps), 3),
+        "timed_steps": len(timed),
+        "s_per_step": seconds / len(timed),
+        "s_per_step_median": statistics.median(r["step_s"] for r in timed),
+        "block_tokens_per_step": tokens / len(timed),
+        "block_tokens_per_s": tokens / seconds if seconds else None,
+        "peak_memory_gib": max((r["memory_peak_gib"] for r in steps if "memory_peak_gib" in r), default=None),
+    }
+
+
+# -------------------------------------------------------------------------------------------------------- live tau
+
+
+def live_evaluations(bench: Bench, names: list[str], datasets: list[str], settings: dict[str, Any],
+                     eval_flags: list[str]) -> None:
+    """`dflash eval` of each named variant's chosen drafter on each dataset not yet done, all side by side; each
+    dataset's tau is added to results/NAME.live.json as its process ends."""
+    jobs = []
+    for name in names:
+        done = (read_json(bench.live_path(name)) or {}).get("datasets", {})
+        run = bench.run(name)
+        draft = run.export_best if (run.export_best / CONFIG_FILE).is_file() else run.export
+        for dataset in datasets:
+            if dataset in done:
+                log.info("live %s on %s: done before, skipped", name, dataset)
+                continue
+            out = bench.live / f"{name}--{dataset}"
+            out.mkdir(parents=True, exist_ok=True)
+            command = dflash_command("eval", "--draft", str(draft), "--data", dataset, "--max-samples",
+                                     str(settings["samples"]), "--max-new-tokens", str(settings["new_tokens"]),
+                                     "--out", str(out), *eval_flags)
+            log.info("live %s on %s: %s", name, dataset, shlex.join(command[3:]))
+            handle = open(out / "eval.out", "w", encoding="utf-8")
+            jobs.append((name, dataset, out, handle, subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
+                                                                      stdin=subprocess.DEVNULL)))
+    for name, dataset, out, handle, process in jobs:
+        code = process.wait()
+        handle.close()
+        report = read_json(out / "eval.json")
+        if code != 0 or report is None:
+            log.warning("live %s on %s: `dflash eval` exited %d (log: %s)", name, dataset, code, out / "eval.out")
+            continue
+        figures = report["datasets"][dataset]
+        record = read_json(bench.live_path(name)) or {"settings": settings, "datasets": {}}
+        record["datasets"][dataset] = {key: figures[key] for key in ("prompts", "steps", "tau", "tau_stderr")}
+        record["datasets"][dataset]["new_tokens"] = figures["new_tokens"]["dflash"]
+        bench.write(bench.live_path(name), record)
+        log.info("live %s on %s: tau %s over %d prompts", name, dataset,
+                 tau_text(figures["tau"], figures["tau_stderr"]), figures["prompts"])
+
+
+# ------------------------------------------------------------------------------------------------------- the bench
+
+
+def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], steps: int, eval_every: int,
+              seed: int, train_flags: list[str], untimed_steps: int, live_data: list[str], live_samples: int,
+              live_new_tokens: int, live_flags: list[str]) -> dict[str, Any]:
+    """Train every variant not done before, one after another; then live tau of the baseline and the best."""
+    bench = Bench(out)
+    bench.root.mkdir(parents=True, exist_ok=True)
+    setup_logging(bench.root / "bench.log")
+    names = [name for name, _ in variants]
+    if len(set(names)) != len(names):
+        raise UserError(f"--variant names must differ: {names}")
+    if untimed_steps >= steps:
+        raise UserError(f"--untimed-steps {untimed_steps} leaves none of the {steps} steps timed: lower it")
+    check_train_flags(train_flags, SET_BY_BENCH, "--train-flags")
+    for name, flags in variants:
+        check_train_flags(flags, SET_BY_BENCH + SAME_FOR_ALL, f"--variant {name}")
+    common = {"cache_identity": cf.read_manifest(cache.resolve())["identity"], "steps": steps,
+              "eval_every": eval_every, "seed": seed, "train_flags": train_flags, "untimed_steps": untimed_steps}
+    live_settings = {"samples": live_samples, "new_tokens": live_new_tokens, "flags": live_flags}
+    done = {name: is_done(bench, name, {**common, "flags": flags}, live_settings) for name, flags in variants}
+    header = {"cache": str(cache), **common, "variants": [{"name": n, "flags": f} for n, f in variants],
+              "live": {"data": live_data, **live_settings}}
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(bench.root / "compile_cache" / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(bench.root / "compile_cache" / "triton"))
+    log.info("recipe bench in %s: %d variants x %d steps (validation every %d), on %s", bench.root, len(variants),
+             steps, eval_every, device_name())
+
+    def train(name: str, flags: list[str]) -> None:
+        command = dflash_command("train", "--cache", str(cache), "--out", str(bench.runs / name), "--overwrite",
+                                 "--max-steps", str(steps), "--eval-every", str(eval_every), "--seed", str(seed),
+                                 "--checkpoint-every", "0", "--keep-checkpoints", "1", *train_flags, *flags)
+        bench.write(bench.result_path(name), train_variant(bench, name, command, {**common, "flags": flags}))
+        write_summary(bench, header)
+
+    for name, flags in variants:
+        if done[name]:
+            log.info("variant %s: done before (%s), skipped", name, bench.result_path(name))
+        else:
+            train(name, flags)
+    record = write_summary(bench, header)
+    if record["best"] is None or not live_data or not live_samples:
+        return record
+    live_names = [n for n in dict.fromkeys((names[0], record["best"])) if complete(bench, n)]
+    for name in live_names:
+        evaluated = (read_json(bench.live_path(name)) or {}).get("datasets", {})
+        run = bench.run(name)
+        has_export = (run.export_best / CONFIG_FILE).is_file() or (run.export / CONFIG_FILE).is_file()
+        if not has_export and any(dataset not in evaluated for dataset in live_data):
+            log.info("variant %s: its run folder is gone (a fresh machine?) and live tau needs its drafter: "
+                     "training it again", name)
+            train(name, dict(variants)[name])
+    live_evaluations(bench, [n for n in live_names if complete(bench, n)], live_data, live_settings, live_flags)
+    return write_summary(bench, header)
+
+
+def complete(bench: Bench, name: str) -> bool:
+    return bool((read_json(bench.result_path(name)) or {}).get("complete"))
+
+
+def is_done(bench: Bench, name: str, settings: dict[str, Any], live_settings: dict[str, Any]) -> bool:
+    """Whether the variant's result is complete (a failed run is tried again, whatever its settings); one made
+    with other settings, or live tau measured otherwise, is refused before anything trains."""
+    if not complete(bench, name):
+        return False
+    refuse_other_settings(bench.result_path(name), read_json(bench.result_path(name)), settings)
+    refuse_other_settings(bench.live_path(name), read_json(bench.live_path(name)), live_settings)
+    return True
+
+
+def refuse_other_settings(path: Path, previous: dict[str, Any] | None, settings: dict[str, Any]) -> None:
+    if previous is None or previous.get("settings") == settings:
+        return
+    made = previous.get("settings", {})
+    differences = [key for key in sorted(set(made) | set(settings)) if made.get(key) != settings.get(key)]
+    raise UserError(f"{path} was made with other settings ({', '.join(differences)} differ): keep it and bench into "
+                    "another --out, or delete it to measure again")
+
+
+def summary(bench: Bench, header: dict[str, Any]) -> dict[str, Any]:
+    """bench.json's content: the bench's settings, every variant's result (its live tau merged in), the best."""
+    variants = []
+    for entry in header["variants"]:
+        result = read_json(bench.result_path(entry["name"])) or {"name": entry["name"], "complete": False,
+                                                                   "error": "not run yet"}
+        live = read_json(bench.live_path(entry["name"]))
+        variants.append({**result, "flags": entry["flags"], "live": None if live is None else live["datasets"]})
+    ranked = [v for v in variants if v.get("complete") and v["best_validation"] is not None]
+    best = max(ranked, key=lambda v: v["best_validation"]["tau"])["name"] if ranked else None
+    return {**header, "baseline": header["variants"][0]["name"], "best": best, "results": variants}
+
+
+def write_summary(bench: Bench, header: dict[str, Any]) -> dict[str, Any]:
+    record = summary(bench, header)
+    bench.write(bench.json, record)
+    bench.table.write_text(render_markdown(record))
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------- the tables
+
+
+def tau_text(tau: float | None, stderr: float | None) -> str:
+    """tau +- its standard error (n/a: a single sequence or prompt has none)."""
+    if tau is None:
+        return "-"
+    return f"{tau:.3f} +- " + ("n/a" if stderr is None or stderr != stderr else f"{stderr:.3f}")
+
+
+def render_markdown(bench: dict[str, Any]) -> str:
+    """bench.md from bench.json's content alone."""
+    results = bench["results"]
+    baseline = next((r for r in results if r["name"] == bench["baseline"]), None)
+    base_test = (baseline or {}).get("test") if (baseline or {}).get("complete") else None
+    base_schedule = (baseline or {}).get("schedule_sha1")
+    datasets = bench["live"]["data"]
+    devices = sorted({r["device"] for r in results if r.get("device")})
+    lines = [
+        "# Recipe bench",
+        "",
+        f"Cache `{bench['cache']}`; {bench['steps']} steps per variant (the same cosine schedule), seed "
+        f"{bench['seed']}, each variant trained alone, one after another; validation tau over the whole validation "
+        f"split every {bench['eval_every']} steps; test tau over the whole test split for the drafter of the best "
+        f"validation tau; live tau (`dflash eval`, {bench['live']['samples']} prompts x {bench['live']['new_tokens']}"
+        f" new tokens) for the baseline and the best. +- one standard error. Cost over steps "
+        f"{bench['untimed_steps'] + 1}-{bench['steps']} (the first {bench['untimed_steps']} hold the warm-up and "
+        f"compilation: untimed); peak memory of the whole run. Flags of every variant: "
+        f"`{shlex.join(bench['train_flags']) or '(none)'}`. Device: {', '.join(devices) or '-'}.",
+        "",
+        "| variant | flags | best validation tau (step) | test tau | test / baseline | "
+        + "".join(f"live {d} tau | " for d in datasets)
+        + "s/step (median) | block tok/s | untimed s | peak GiB | final loss | schedule |",
+        "|---|---|---:|---:|---:|" + "---:|" * len(datasets) + "---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        name = r["name"] + (" (baseline)" if r["name"] == bench["baseline"] else "") + (
+            " (best)" if r["name"] == bench["best"] else "")
+        flags = f"`{shlex.join(r['flags'])}`" if r["flags"] else "-"
+        if not r.get("complete"):
+            error = str(r.get("error", "failed")).replace("|", "/")
+            lines.append(f"| {name} | {flags} | {error} |" + " |" * (8 + len(datasets)))
+            continue
+        best, test, cost, live = r["best_validation"], r["test"], r["cost"], r.get("live") or {}
+        ratio = f"{test['tau'] / base_test['tau']:.3f}x" if test and base_test else "-"
+        cells = [
+            name, flags,
+            f"{tau_text(best['tau'], best['stderr'])} ({best['step']})" if best else "-",
+            tau_text(test["tau"], test["stderr"]) if test else "-",
+            ratio,
+            *(tau_text(live[d]["tau"], live[d]["tau_stderr"]) + f" ({live[d]['prompts']})" if d in live else "-"
+              for d in datasets),
+            f"{cost['s_per_step']:.4f} ({cost['s_per_step_median']:.4f})",
+            f"{cost['block_tokens_per_s']:,.0f}" if cost["block_tokens_per_s"] else "-",
+            f"{cost['untimed_s']:.1f}",
+            "-" if cost["peak_memory_gib"] is None else f"{cost['peak_memory_gib']:.2f}",
+            f"{r['final_loss']:.4f}",
+            "baseline's" if r["schedule_sha1"] == base_schedule else f"other (peak lr {r['lr_peak']:.2e})",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    steps = sorted({v["step"] for r in results if r.get("complete") for v in r["validation"]})
+    if steps:
+        lines += ["", "Validation tau by step (whole validation split, +- one standard error):", "",
+                  "| variant | " + " | ".join(f"step {s}" for s in steps) + " |",
+                  "|---|" + "---:|" * len(steps)]
+        for r in results:
+            if r.get("complete"):
+                at = {v["step"]: v for v in r["validation"]}
+                lines.append(f"| {r['name']} | " + " | ".join(
+                    tau_text(at[s]["tau"], at[s]["stderr"]) if s in at else "-" for s in steps) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------------------ CLI
+
+
+@click.group()
+def main() -> None:
+    """The recipe bench (its recipe: this file's header)."""
+
+
+@main.command("run")
+@click.option("--cache", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True,
+              help="The feature cache every variant trains on.")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="The bench folder: results/, bench.json, bench.md, runs/, logs/, live/.")
+@click.option("--variant", "variants", multiple=True, required=True, metavar="NAME=FLAGS",
+              help="A variant: its name and its own `dflash train` flags (quoted); repeat; the first is the baseline.")
+@click.option("--steps", type=click.IntRange(min=1), required=True,
+              help="Optimizer steps of every variant (`dflash train --max-steps`: the schedule's length).")
+@click.option("--eval-every", type=click.IntRange(min=1), required=True,
+              help="Validation evaluations (whole split) every N steps, and at the end.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of every variant (split, data, weights).")
+@click.option("--train-flags", default="", help="`dflash train` flags of every variant (quoted), before its own.")
+@click.option("--untimed-steps", type=click.IntRange(min=0), default=50, show_default=True,
+              help="The first N steps of each variant are left out of its s/step and block tokens/s (warm-up, "
+                   "compilation) and reported apart.")
+@click.option("--live-data", default="mtbench,humaneval", show_default=True,
+              help="`dflash eval --data` datasets of the live evaluations, comma-separated (empty: none).")
+@click.option("--live-samples", type=click.IntRange(min=0), default=20, show_default=True,
+              help="Prompts per dataset (0: no live evaluation).")
+@click.option("--live-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="New tokens per prompt.")
+@click.option("--live-flags", default="--no-baselines", show_default=True,
+              help="More `dflash eval` flags (quoted), e.g. \"--no-baselines --threads 2\".")
+def run_command(cache: Path, out: Path, variants: tuple[str, ...], steps: int, eval_every: int, seed: int,
+                train_flags: str, untimed_steps: int, live_data: str, live_samples: int, live_new_tokens: int,
+                live_flags: str) -> None:
+    """Train each variant alone, at the same steps and schedule; test split, live tau; bench.json and bench.md."""
+    with user_facing_errors():
+        record = run_bench(cache, out, [parse_variant(v) for v in variants], steps, eval_every, seed,
+                           shlex.split(train_flags), untimed_steps, [d for d in live_data.split(",") if d.strip()],
+                           live_samples, live_new_tokens, shlex.split(live_flags))
+    click.echo(render_markdown(record))
+
+
+@main.command("table")
+@click.option("--out", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True,
+              help="The bench folder.")
+def table_command(out: Path) -> None:
+    """Write BENCH/bench.md again from BENCH/bench.json (and print it)."""
+    bench = Bench(out)
+    record = read_json(bench.json)
+    if record is None:
+        raise SystemExit(f"recipe_bench: error: no readable bench.json in {out}")
+    bench.table.write_text(render_markdown(record))
+    click.echo(bench.table.read_text())
+
+
+if __name__ == "__main__":
+    main()
