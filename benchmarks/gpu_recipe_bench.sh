@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The recipe bench (benchmarks/recipe_bench.py, issue 29) on the lent GPU: one fp8 cache of the committed
+# regenerated conversations ($CARRIED of gpu_pipeline.sh, 4,215 of them) with the target's top-32 and its last 5
+# decoder layers (so every question of the issue can use it), then the bench: each variant alone, one after
+# another, at STEPS steps, validation every EVAL_EVERY steps over the whole split, the test split, and live tau
+# (MT-Bench and HumanEval, 20 prompts x 512 new tokens) of the baseline and the best. Run from the repository root
+# after `gpu_pipeline.sh setup model`; meant to be started detached, so that short calls can poll:
+#
+#   bash benchmarks/gpu_recipe_bench.sh            the cache (unless made already), then the bench, into $OUT/bench
+#   bash benchmarks/gpu_recipe_bench.sh pack DIR   DIR/state.tgz: $OUT without checkpoints, weights and compile
+#                                                  caches; prints the bench's table and the last lines of its log
+#
+# Settings (environment): VARIANTS ("NAME=FLAGS;NAME=FLAGS;...", the first the baseline; default: the issue's
+# question a, the loss), STEPS (500), EVAL_EVERY (250), TRAIN_FLAGS (every variant's flags), UNTIMED_STEPS (50),
+# LIVE_SAMPLES (20), LIVE_TOKENS (512), LIVE_FLAGS, and RESULTS_FROM: a folder of an earlier bench's results/*.json
+# (carried in the tree, e.g. from a lost machine's state.tgz): they are copied into $OUT/bench/results first, and
+# the bench skips every variant whose result is complete there.
+#
+# The calls (one 30-minute device session; the machine goes back 30 s after a call returns, with everything on it,
+# so issue each call right after the previous one returns):
+#   here:    bash benchmarks/gpu_carry.sh   (once; .whl, .carry_a, .carry_b are ignored folders)
+#   call 1:  carry .whl .carry_a:  export OUT2=$OUT OUT=/tmp/gpu_out; bash benchmarks/gpu_pipeline.sh setup
+#   call 2:  carry .carry_b:  export OUT2=$OUT OUT=/tmp/gpu_out; cp -r . /tmp/repo && cd /tmp/repo &&
+#            bash benchmarks/gpu_pipeline.sh model &&
+#            (setsid nohup bash benchmarks/gpu_recipe_bench.sh >/tmp/gpu_out/recipe_bench.out 2>&1 </dev/null &);
+#            sleep 480; bash benchmarks/gpu_recipe_bench.sh pack $OUT2
+#   then:    export OUT2=$OUT OUT=/tmp/gpu_out; cd /tmp/repo && sleep 560;
+#            bash benchmarks/gpu_recipe_bench.sh pack $OUT2
+#            (again until the log's last line is "recipe bench done"; the last call without the sleep)
+# The table is in bench.md, every figure in bench.json; results/NAME.json is each variant's, complete as soon as
+# it finished.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_out}
+WORK=${WORK:-/tmp/dflash_work}
+SITE=${SITE:-/tmp/site}
+BENCH=$OUT/bench
+if [ "${1:-}" = pack ]; then
+    tar czf "$2/state.tgz" -C "$OUT" --exclude=checkpoints --exclude='*.safetensors' --exclude=tensorboard \
+        --exclude=compile_cache --exclude=generated.jsonl.gz .
+    [ -f "$BENCH/bench.md" ] && cat "$BENCH/bench.md"
+    tail -n 5 "$BENCH/bench.log" "$OUT/recipe_bench_stages.tsv" 2>/dev/null
+    exit 0
+fi
+VARIANTS=${VARIANTS:-"ce=--loss ce;kl=--loss kl;mix=--loss mix;mix25=--loss mix --kl-weight 0.25"}
+STEPS=${STEPS:-500}
+EVAL_EVERY=${EVAL_EVERY:-250}
+# The packed recipe of the 2026-12-05 H100 run (about 30 sequences a step), learning rate 1e-3 as every GPU run so far.
+TRAIN_FLAGS=${TRAIN_FLAGS:-"--lr 1e-3 --batch-tokens 49152 --num-workers 6"}
+UNTIMED_STEPS=${UNTIMED_STEPS:-50}
+LIVE_SAMPLES=${LIVE_SAMPLES:-20}
+LIVE_TOKENS=${LIVE_TOKENS:-512}
+LIVE_FLAGS=${LIVE_FLAGS:-"--no-baselines --threads 2"}
+RESULTS_FROM=${RESULTS_FROM:-}
+RECIPE_BENCH=${RECIPE_BENCH:-python3 benchmarks/recipe_bench.py}  # (a stub in a dry run of this script)
+export OUT WORK SITE
+mkdir -p "$OUT" "$WORK/import/dflash"
+for package in shared stage1_extract stage2_train; do ln -sfn "$PWD/$package" "$WORK/import/dflash/$package"; done
+export PYTHONPATH=$SITE:$WORK/import:$PWD PYTHONUNBUFFERED=1 DFLASH_HOME=${DFLASH_HOME:-/tmp/dflash_home}
+stage() { printf '%s\t%s\n' "$(date +%s)" "$*" | tee -a "$OUT/recipe_bench_stages.tsv"; }
+
+stage start
+if [ ! -f "$WORK/cache_fp8/manifest.json" ]; then
+    GEN_SECONDS=0 DTYPES=fp8 VERIFY=0 EXTRACT_FLAGS="--store-target-topk 32 --export-layers last:5" \
+        bash benchmarks/gpu_pipeline.sh generate extract
+fi
+[ -f "$WORK/cache_fp8/manifest.json" ] || { stage "no cache: stop"; exit 1; }
+stage cache
+if [ -n "$RESULTS_FROM" ]; then
+    mkdir -p "$BENCH/results" && cp -n "$RESULTS_FROM"/*.json "$BENCH/results/"
+fi
+variant_args=()
+IFS=';' read -ra entries <<<"$VARIANTS"
+for entry in "${entries[@]}"; do
+    read -r entry <<<"$entry"  # without the spaces around it
+    [ -n "$entry" ] && variant_args+=(--variant "$entry")
+done
+# shellcheck disable=SC2086
+$RECIPE_BENCH run --cache "$WORK/cache_fp8" --out "$BENCH" --steps "$STEPS" \
+    --eval-every "$EVAL_EVERY" --untimed-steps "$UNTIMED_STEPS" --train-flags "$TRAIN_FLAGS" \
+    --live-samples "$LIVE_SAMPLES" --live-new-tokens "$LIVE_TOKENS" --live-flags "$LIVE_FLAGS" "${variant_args[@]}"
+stage "recipe bench done (exit $?)"
