@@ -11,7 +11,7 @@
 #                                                  caches; prints the bench's table and the last lines of its log
 #
 # Settings (environment): VARIANTS ("NAME=FLAGS;NAME=FLAGS;...", the first the baseline; default: the issue's
-# question a, the loss), STEPS (500), EVAL_EVERY (250), TRAIN_FLAGS (every variant's flags), UNTIMED_STEPS (50),
+# question a, the loss), STEPS (400), EVAL_EVERY (200), TRAIN_FLAGS (every variant's flags), UNTIMED_STEPS (50),
 # LIVE_SAMPLES (20), LIVE_TOKENS (512), LIVE_FLAGS, and RESULTS_FROM: a folder of an earlier bench's results/*.json
 # (carried in the tree, e.g. from a lost machine's state.tgz): they are copied into $OUT/bench/results first, and
 # the bench skips every variant whose result is complete there.
@@ -29,6 +29,12 @@
 #            (again until the log's last line is "recipe bench done"; the last call without the sleep)
 # The table is in bench.md, every figure in bench.json; results/NAME.json is each variant's, complete as soon as
 # it finished.
+# Time, estimated from the H100 run of 2026-12-05 (docs/benchmarks.md; not measured with this script yet): the
+# cache ~2 min (GGUF conversion 50 s, extraction 63 s); per variant ~70-110 s of start-up, evaluations (the
+# untrained one ~25-45 s, then ~10-17 s each over 227 sequences), test split and export, plus 0.2-0.37 s per step
+# (0.37 was this recipe's step beside another run); live tau ~4 min (4 evaluations side by side took 227 s). So the
+# default 4 variants x 400 steps take ~16-23 min after call 2 starts, ~19-26 min of device time with the machine's
+# start and call 1: within one session, barely at the slow end (then STEPS=300, or three variants).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 WORK=${WORK:-/tmp/dflash_work}
@@ -42,8 +48,8 @@ if [ "${1:-}" = pack ]; then
     exit 0
 fi
 VARIANTS=${VARIANTS:-"ce=--loss ce;kl=--loss kl;mix=--loss mix;mix25=--loss mix --kl-weight 0.25"}
-STEPS=${STEPS:-500}
-EVAL_EVERY=${EVAL_EVERY:-250}
+STEPS=${STEPS:-400}
+EVAL_EVERY=${EVAL_EVERY:-200}
 # The packed recipe of the 2026-12-05 H100 run (about 30 sequences a step), learning rate 1e-3 as every GPU run so far.
 TRAIN_FLAGS=${TRAIN_FLAGS:-"--lr 1e-3 --batch-tokens 49152 --num-workers 6"}
 UNTIMED_STEPS=${UNTIMED_STEPS:-50}
