@@ -132,6 +132,11 @@ def test_a_rerun_skips_finished_variants_and_refuses_other_settings(bench: Path,
     out = tmp_path / "bench"
     shutil.copytree(bench, out)
     (out / "results" / "g4.json").unlink()
+    # And the baseline had the lower validation tau (an edit: on 14 samples both often tie), so that the other
+    # variant, once trained, is the best and is evaluated live beside the baseline's kept live result.
+    base = json.loads((out / "results" / "base.json").read_text())
+    base["best_validation"]["tau"] = 0.5
+    (out / "results" / "base.json").write_text(json.dumps(base))
     kept = {path: path.stat().st_mtime_ns for path in (out / "runs" / "base" / "metrics.jsonl",
                                                       out / "results" / "base.json", out / "logs" / "base.train.out")}
     result = run_bench(baseline_cache, out)
@@ -141,6 +146,10 @@ def test_a_rerun_skips_finished_variants_and_refuses_other_settings(bench: Path,
     assert "live base on mtbench: done before, skipped" in result.stderr
     record = json.loads((out / "bench.json").read_text())
     assert all(r["complete"] for r in record["results"])
+    assert record["best"] == "g4" and "live g4 on mtbench: tau" in result.stderr
+    live = {r["name"]: r["live"] for r in record["results"]}
+    assert live["g4"]["mtbench"]["prompts"] == 1 and live["base"] == json.loads(
+        (bench / "results" / "base.live.json").read_text())["datasets"]
     again = step_records(out / "runs" / "g4")
     first = step_records(out / "runs" / "base")
     assert {s: r["lr"] for s, r in again.items()} == {s: r["lr"] for s, r in first.items()}
