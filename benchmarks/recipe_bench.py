@@ -496,8 +496,9 @@ def table_command(out: Path) -> None:
     """Write BENCH/bench.md again from BENCH/bench.json (and print it)."""
     bench = Bench(out)
     record = read_json(bench.json)
-    if record is None:
-        raise SystemExit(f"recipe_bench: error: no readable bench.json in {out}")
+    with user_facing_errors():
+        if record is None:
+            raise UserError(f"no readable bench.json in {out}: give the --out of a `recipe_bench.py run`")
     bench.table.write_text(render_markdown(record))
     click.echo(bench.table.read_text())
 

@@ -124,6 +124,13 @@ def test_the_table_is_generated_from_the_json(bench: Path, tmp_path: Path) -> No
     for line in table.splitlines():
         rows.setdefault(line.lstrip("| ").split(" ")[0], line)
     assert "| 2.500 +- 0.125 | 1.250x |" in rows["g4"] and "| 2.000 +- 0.100 | 1.000x |" in rows["base"]
+    # A failed variant: its row says why, with as many cells as the others.
+    record["results"][1] = {"name": "g4", "flags": ["--gamma", "4"], "complete": False, "exit_code": 2,
+                            "error": "dflash: error: out of memory | lower --batch-tokens"}
+    failed = module.render_markdown(record).splitlines()
+    row = next(line for line in failed if line.startswith("| g4 "))
+    header = next(line for line in failed if line.startswith("| variant | flags"))
+    assert "dflash: error: out of memory / lower --batch-tokens" in row and row.count("|") == header.count("|")
 
 
 def test_a_rerun_skips_finished_variants_and_refuses_other_settings(bench: Path, baseline_cache: Path,
