@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -180,7 +181,7 @@ args = sys.argv[1:]
 out = Path(args[args.index("--out") + 1])
 held = sorted(p.name for p in (out / "results").glob("*.json"))
 Path(os.environ["STUB_CALLS"]).write_text(json.dumps({"args": args, "results_held": held}))
-(out / "runs" / "ce" / "checkpoints").mkdir(parents=True)
+(out / "runs" / "ce" / "checkpoints").mkdir(parents=True, exist_ok=True)
 (out / "runs" / "ce" / "checkpoints" / "state.bin").write_bytes(b"x" * 1000)
 (out / "runs" / "ce" / "model.safetensors").write_bytes(b"x" * 1000)
 (out / "runs" / "ce" / "metrics.jsonl").write_text("{}\n")
@@ -222,3 +223,50 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
         names = {Path(name).as_posix().lstrip("./") for name in archive.getnames()}
     assert {"bench/bench.md", "bench/runs/ce/metrics.jsonl", "bench/results/ce.json"} <= names
     assert not any("checkpoints" in name or name.endswith(".safetensors") for name in names)
+
+
+# A stand-in for `dflash` in gpu_pipeline.sh: `extract` records its arguments and makes a cache folder.
+DFLASH_STUB = r'''
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+Path(os.environ["STUB_EXTRACT"]).write_text(json.dumps(args))
+out = Path(args[args.index("--out") + 1])
+out.mkdir(parents=True)
+(out / "manifest.json").write_text("{}")
+(out / "extract.log").write_text("extracted\n")
+'''
+
+
+def test_the_gpu_driver_makes_the_top_k_cache_from_the_carried_conversations(tmp_path: Path) -> None:
+    for name, text in (("stub.py", STUB), ("dflash_stub.py", DFLASH_STUB)):
+        (tmp_path / name).write_text(text)
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    conversations = [{"id": f"c{i}", "messages": [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": f"answer {i}"}]} for i in range(3)]
+    (work / "carried.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations))  # `model` made it
+    # `python3` in gpu_pipeline.sh: this interpreter, with the project's libraries (a link would leave its venv)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "STUB_CALLS": str(tmp_path / "calls.json"), "STUB_EXTRACT": str(tmp_path / "extract.json"),
+           "RECIPE_BENCH": f"{sys.executable} {tmp_path / 'stub.py'}", "DF": f"{sys.executable} "
+           f"{tmp_path / 'dflash_stub.py'}", "OUT": str(out), "WORK": str(work), "SITE": str(tmp_path / "site"),
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    result = subprocess.run(["bash", "benchmarks/gpu_recipe_bench.sh"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    extract = json.loads((tmp_path / "extract.json").read_text())
+    assert extract[:5] == ["extract", "--data", str(work / "gen" / "finished.jsonl"), "--out", str(work / "cache_fp8")]
+    assert " ".join(extract[5:]) == ("--max-length 2048 --feature-dtype fp8 --store-target-topk 32 "
+                                     "--export-layers last:5")
+    assert [json.loads(line)["id"] for line in (work / "gen" / "finished.jsonl").read_text().splitlines()] == [
+        "c0", "c1", "c2"]
+    args = json.loads((tmp_path / "calls.json").read_text())["args"]
+    assert args[args.index("--cache") + 1] == str(work / "cache_fp8")
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--variant"] == [
+        "ce=--loss ce", "kl=--loss kl", "mix=--loss mix", "mix25=--loss mix --kl-weight 0.25"]
+    stages = (out / "recipe_bench_stages.tsv").read_text()
+    assert "\tcache\n" in stages and "recipe bench done (exit 0)" in stages
