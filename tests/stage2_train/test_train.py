@@ -56,7 +56,7 @@ def test_train_learns_beats_untrained_and_exports_the_reference_format(train_cac
         assert key in config, key
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [1, 8, 14, 20, 27], "embed_scale": 1.0,
-                                       "target_model_type": "llama"}
+                                       "target_model_type": "llama", "block_size": 16}
     assert config["num_hidden_layers"] == len(config["layer_types"]) == 1 and config["num_target_layers"] == 30
     weights = load_file(str(export / "model.safetensors"))
     expected = sorted([f"layers.0.{k}" for k in REFERENCE_LAYER_KEYS] + ["fc.weight", "hidden_norm.weight",
