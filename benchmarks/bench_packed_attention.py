@@ -41,10 +41,10 @@ from dflash.stage2_train.attention_masks import (  # noqa: E402
     packed_blocks_per_group,
     packed_dense_mask,
 )
-from dflash.stage2_train.data import bucket  # noqa: E402
 from dflash.stage2_train.draft_attention import training_drafter  # noqa: E402
 from dflash.stage2_train.draft_config import DFlashConfig, config_from_target  # noqa: E402
 from dflash.stage2_train.modeling_dflash import DFlashDraftModel  # noqa: E402
+from dflash.stage2_train.packed_batches import bucket  # noqa: E402
 
 from bench_grouped_attention import SHAPES, synchronize  # noqa: E402
 

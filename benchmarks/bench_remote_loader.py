@@ -21,7 +21,10 @@ from typing import Any
 
 
 def epoch_throughput(cache: Path, workers: int, batch_tokens: int) -> dict[str, float]:
-    from dflash.stage2_train.data import CacheBatches, CacheIndex, make_loader, plan_epoch
+    from dflash.stage2_train.cache_index import CacheIndex
+    from dflash.stage2_train.epoch_plan import plan_epoch
+    from dflash.stage2_train.packed_batches import CacheBatches
+    from dflash.stage2_train.packed_loader import make_loader
 
     index = CacheIndex.from_cache(cache, eval_fraction=0.0, seed=0)
     plan = plan_epoch(index, 0, 0, batch_tokens)

@@ -23,7 +23,7 @@ import click
 import numpy as np
 
 from dflash.stage2_train.acceptance import _run_ends, walk_acceptance
-from dflash.stage2_train.data import split_hash
+from dflash.stage2_train.cache_index import split_hash
 
 
 def copy_walk(ids: np.ndarray, loss_mask: np.ndarray, block_size: int) -> tuple[list[int], int, int]:

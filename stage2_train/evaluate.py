@@ -139,7 +139,8 @@ def heldout_prompts(draft_dir: Path, max_samples: int, max_new_tokens: int) -> t
     """Test-split samples of the run that exported `draft_dir` (its validation split if it has no test split):
     cached prompt ids, and the cached sample cut to the prompt plus `max_new_tokens` response positions (what the
     live run generates); and the name of the split."""
-    from dflash.stage2_train.data import CacheIndex, eval_sequences
+    from dflash.stage2_train.cache_index import CacheIndex
+    from dflash.stage2_train.eval_set import eval_sequences
 
     run = run_of_export(draft_dir)
     if run is None:

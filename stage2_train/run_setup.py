@@ -21,21 +21,18 @@ from dflash.shared.feature_codecs import FeatureCodec, manifest_codec
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.output_dirs import refuse_foreign_folder
 from dflash.shared.run_files import BEST_RECORD_FILE, CONFIG_FILE, RunFiles
-from dflash.stage2_train.data import (
-    AnchorRule,
-    CacheBatches,
-    CacheIndex,
-    make_loader,
-    plan_epoch,
-)
+from dflash.stage2_train.cache_index import CacheIndex
 from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFLASH2_DEFAULTS, DFlashConfig, config_from_target
+from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch, rank_plan
 from dflash.stage2_train.modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from dflash.stage2_train.loss import default_gamma, position_weights
 from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, fake_oom_sequences, in_use_bytes,
                                              limit_from_option, make_plan, step_bytes)
 from dflash.stage2_train.objective import NEEDS_TARGET_TOPK, Objective, check_cache_for, make_objective
 from dflash.stage2_train.options import TrainOptions
+from dflash.stage2_train.packed_batches import CacheBatches
+from dflash.stage2_train.packed_loader import make_loader
 from dflash.stage2_train.target_init import init_from_target
 from dflash.stage2_train.target_parts import TargetParts, load_target_parts, resolve_mask_token
 
@@ -79,7 +76,7 @@ class TrainingRun:
     embed: torch.Tensor  # frozen, on the device, in the compute dtype
     lm_head: torch.Tensor
     position_weights: torch.Tensor  # [block_size] loss weight per block offset
-    bucket_multiple: int  # packed lengths are rounded up to a multiple of at least this (`data.bucket`)
+    bucket_multiple: int  # packed lengths are rounded up to a multiple of at least this (`packed_batches.bucket`)
     steps_per_epoch: int
     total_steps: int
     memory: MemoryPlan | None = None  # how micro-batches are split to fit the device (`plan_memory`)
@@ -122,7 +119,7 @@ class TrainingRun:
     def loader(self, epoch: int, position: int, plan: list[Any] | None = None) -> Any:
         """This rank's micro-batches of `epoch` from plan position `position` on (CPU tensors)."""
         plan = plan if plan is not None else self.plan(epoch)
-        dataset = CacheBatches(self.cache, plan[self.rank :: self.world], start=position, epoch=epoch,
+        dataset = CacheBatches(self.cache, rank_plan(plan, self.rank, self.world), start=position, epoch=epoch,
                                seed=self.options.seed, rule=self.anchor_rule, bucket_multiple=self.bucket_multiple,
                                read_topk=self.options.loss in NEEDS_TARGET_TOPK)
         return make_loader(dataset, self.options.num_workers)

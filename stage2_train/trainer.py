@@ -25,21 +25,15 @@ from dflash.shared.logs import get_logger
 from dflash.shared.run_files import BEST_RECORD_FILE, WEIGHTS_FILE
 from dflash.stage2_train.acceptance import json_safe, offline_acceptance
 from dflash.stage2_train.checkpoints import has_checkpoint, save_checkpoint
-from dflash.stage2_train.data import (
-    eval_sequences,
-    packed_block_labels,
-    packed_block_topk,
-    packed_layout,
-    sequence_blocks,
-    split_packed_batch,
-    start_loader,
-    stop_loader,
-)
+from dflash.stage2_train.eval_set import eval_sequences
 from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.export import export_draft, load_draft
 from dflash.stage2_train.loss import selector_loss, weight_sum
 from dflash.stage2_train.memory_plan import FAKE_OOM_SEQUENCES_ENV, GIB, measured_peak_bytes
 from dflash.stage2_train.objective import MicroBatch
+from dflash.stage2_train.packed_batches import (packed_block_labels, packed_block_topk, packed_layout, sequence_blocks,
+                                                split_packed_batch)
+from dflash.stage2_train.packed_loader import start_loader, stop_loader
 from dflash.stage2_train.run_setup import TrainingRun, TrainOptions, setup_run
 
 log = get_logger(__name__)

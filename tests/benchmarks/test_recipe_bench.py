@@ -55,7 +55,7 @@ def bench(baseline_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 def test_variants_train_at_the_same_steps_and_schedule_and_report_from_their_runs(bench: Path,
                                                                                   baseline_cache: Path) -> None:
-    from dflash.stage2_train.data import CacheIndex
+    from dflash.stage2_train.cache_index import CacheIndex
 
     record = json.loads((bench / "bench.json").read_text())
     results = {r["name"]: r for r in record["results"]}

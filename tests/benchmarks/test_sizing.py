@@ -155,7 +155,7 @@ def test_training_pays_for_the_drawn_anchors_only(rates) -> None:  # type: ignor
        cap=st.integers(1, 1024))
 def test_anchor_count_is_the_trainers_rule(candidates: int, density: float | None, cap: int) -> None:
     """sizing's anchors per sample equals `AnchorRule.count`, the rule the trainer draws with."""
-    from dflash.stage2_train.data import AnchorRule
+    from dflash.stage2_train.epoch_plan import AnchorRule
 
     expected = int(AnchorRule(density=density, max_anchors=cap).count(candidates))
     assert sizing.anchors_per_sample(candidates + 1, 1.0, density, cap) == expected

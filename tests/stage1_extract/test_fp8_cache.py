@@ -93,7 +93,11 @@ def test_a_bf16_rerun_into_an_fp8_cache_is_refused(fp8_cache: Path, chat_jsonl: 
 
 
 def test_training_dequantizes_fp8_batches_to_the_stored_values(fp8_cache: Path, tmp_path: Path) -> None:
-    from dflash.stage2_train.data import CacheBatches, CacheIndex, EvalSet, make_loader, plan_epoch
+    from dflash.stage2_train.cache_index import CacheIndex
+    from dflash.stage2_train.epoch_plan import plan_epoch
+    from dflash.stage2_train.eval_set import EvalSet
+    from dflash.stage2_train.packed_batches import CacheBatches
+    from dflash.stage2_train.packed_loader import make_loader
 
     index = CacheIndex.from_cache(fp8_cache, eval_fraction=0.2, seed=0)
     plan = plan_epoch(index, 0, 0, 256, 1)
@@ -120,7 +124,8 @@ def test_training_dequantizes_fp8_batches_to_the_stored_values(fp8_cache: Path, 
 def test_an_fp8_store_without_its_scales_is_named_by_verify_and_by_training(fp8_cache: Path, tmp_path: Path) -> None:
     import shutil
 
-    from dflash.stage2_train.data import CacheError, CacheIndex
+    from dflash.shared.cache_format import CacheError
+    from dflash.stage2_train.cache_index import CacheIndex
 
     cache = tmp_path / "cache"
     shutil.copytree(fp8_cache, cache)

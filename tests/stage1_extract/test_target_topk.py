@@ -194,7 +194,9 @@ def test_topk_cache_keeps_the_features_and_verifies(topk_cache: Path, baseline_c
 def test_the_training_loader_reads_the_topk_only_for_an_objective_that_uses_it(topk_cache: Path) -> None:
     """The loader of `dflash train --loss kl|mix` yields the stored top-k beside the features; that of `--loss ce`
     (read_topk=False) leaves the arrays unread and yields the same batches without them."""
-    from dflash.stage2_train.data import AnchorRule, CacheBatches, CacheIndex, plan_epoch
+    from dflash.stage2_train.cache_index import CacheIndex
+    from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch
+    from dflash.stage2_train.packed_batches import CacheBatches
 
     index = CacheIndex.from_cache(topk_cache, 0.0, 0)
     plan = plan_epoch(index, 0, 0, 2048, 1, AnchorRule(None, 8, 16))[:3]

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash.stage2_train.attention_masks import AnchorLayout, PackedLayout, batch_dense_mask, packed_dense_mask
-from dflash.stage2_train.data import block_labels
 from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig
 from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.loss import dflash_loss, position_weights, weight_sum
+from tests.stage2_train.reference_labels import block_labels
 
 BLOCK = 4
 HIDDEN, LAYERS_IN = 32, 2
@@ -59,7 +59,7 @@ def padded_loss(model: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor
 
 def packed_loss(model: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor, lengths, anchors, features, ids,
                 masks, weights):  # noqa: ANN001, ANN201
-    from dflash.stage2_train.data import packed_block_labels, packed_layout
+    from dflash.stage2_train.packed_batches import packed_block_labels, packed_layout
 
     total, real = sum(lengths), sum(len(a) for a in anchors)
     width, blocks = total + 5, real + 3  # bucket padding at the ends
@@ -187,7 +187,7 @@ def test_many_sequences_get_the_cheapest_group_size_not_the_whole_mask() -> None
     import math
 
     from dflash.stage2_train.attention_masks import MAX_PACKED_COPIES_RATIO, packed_blocks_per_group, packed_groups
-    from dflash.stage2_train.data import bucket
+    from dflash.stage2_train.packed_batches import bucket
 
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(200, 1500, (30,), generator=generator).tolist()

@@ -20,7 +20,9 @@ from dflash.shared import cache_format as cf
 from dflash.shared.errors import UserError
 from dflash.shared.run_files import RunFiles
 from dflash.stage2_train.acceptance import offline_acceptance
-from dflash.stage2_train.data import AnchorRule, CacheIndex, eval_sequences, plan_epoch
+from dflash.stage2_train.cache_index import CacheIndex
+from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch
+from dflash.stage2_train.eval_set import eval_sequences
 from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY, TrainOptions
 from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig

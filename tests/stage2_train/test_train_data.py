@@ -19,20 +19,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash.shared import cache_format as cf
+from dflash.shared.cache_format import CacheError
 from dflash.shared.feature_codecs import BF16, bf16_view
 from dflash.stage1_extract.shard_writer import FeatureShardWriter
-from dflash.stage2_train import data as td
-from dflash.stage2_train.data import (
-    AnchorRule,
-    CacheBatches,
-    CacheError,
-    CacheIndex,
-    Sample,
-    block_labels,
-    plan_epoch,
-    rank_plan,
-    sample_anchors,
-)
+from dflash.stage2_train import packed_batches
+from dflash.stage2_train.cache_index import CacheIndex, Sample, anchor_candidates, candidate_counts, split_hash
+from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch, rank_plan, sample_anchors
+from dflash.stage2_train.eval_set import eval_sequences
+from dflash.stage2_train.loss import IGNORE_INDEX
+from dflash.stage2_train.packed_batches import (CacheBatches, bucket, packed_block_labels, packed_block_topk,
+                                                packed_layout, split_packed_batch)
+from dflash.stage2_train.packed_loader import make_loader, start_loader, stop_loader
+from tests.stage2_train.reference_labels import block_labels
 
 DIM = 48
 PAD = 16
@@ -162,12 +160,18 @@ def stored_samples(cache: Path) -> dict[tuple[int, int], dict]:
     return result
 
 
+def split_sizes(index: CacheIndex) -> dict[str, int]:
+    """Samples per split, counted from the index's split masks (its sample lists must agree)."""
+    return {"train_samples": int(index.is_train.sum()), "eval_samples": int(index.is_eval.sum()),
+            "test_samples": int(index.is_test.sum())}
+
+
 def reference_candidates(mask: np.ndarray) -> list[int]:
     return [p for p in range(len(mask) - 1) if mask[p] == 1 and mask[p + 1] == 1]
 
 
 def collect(dataset: CacheBatches, num_workers: int) -> list[dict]:
-    return list(td.make_loader(dataset, num_workers, pin_memory=False))
+    return list(make_loader(dataset, num_workers, pin_memory=False))
 
 
 def same_batch(a: dict, b: dict) -> bool:
@@ -193,7 +197,7 @@ def test_index_lists_usable_samples_of_finished_shards(cache: Path, index: Cache
         assert sample.n_anchor_candidates == len(reference_candidates(reference["loss_mask"]))
     assert index.dropped_no_anchor == len(stored) - len(usable) > 0
     assert index.dropped_tokens == sum(len(s["input_ids"]) for k, s in stored.items() if k not in usable)
-    summary = index.summary()
+    summary = split_sizes(index)
     assert summary["train_samples"] + summary["eval_samples"] == len(usable)
 
 
@@ -228,14 +232,14 @@ def test_validation_and_test_splits_are_disjoint_bands_of_the_split_hash(cache: 
     assert train | validation | test == keys(index.train + index.eval)
     assert three.eval == index.eval  # the same validation split as without a test split
     stored = stored_samples(cache)
-    hashes = {key: float(td.split_hash(np.array([s["sample_index"]]), 3)[0]) for key, s in stored.items()}
+    hashes = {key: float(split_hash(np.array([s["sample_index"]]), 3)[0]) for key, s in stored.items()}
     assert test == {key for key in train | validation | test if 0.15 <= hashes[key] < 0.35}
     assert [hashes[(s.shard, s.row)] for s in three.test] == sorted(hashes[key] for key in test)
-    summary = three.summary()
+    summary = split_sizes(three)
     assert (summary["train_samples"], summary["eval_samples"], summary["test_samples"]) == (
         len(train), len(validation), len(test))
-    assert [item["sample_key"] for item in td.eval_sequences(three, None, "test")] == [(s.shard, s.row)
-                                                                                         for s in three.test]
+    assert [item["sample_key"] for item in eval_sequences(three, None, "test")] == [(s.shard, s.row)
+                                                                                      for s in three.test]
     assert Counter(s for batch in plan_epoch(three, 0, 1, 640) for s in batch) == Counter(three.train)
     with pytest.raises(ValueError, match="sum <= 1"):
         CacheIndex.from_cache(cache, eval_fraction=0.6, seed=3, test_fraction=0.5)
@@ -298,8 +302,8 @@ def epoch_plan(index: CacheIndex) -> list[list[Sample]]:
 def test_batches_hold_the_stored_rows_bit_exactly(cache: Path, epoch_plan: list[list[Sample]],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     stored = stored_samples(cache)
-    empty = td._empty_tensor
-    monkeypatch.setattr(td, "_empty_tensor",  # dirty memory: every padding byte must be written
+    empty = packed_batches._empty_tensor
+    monkeypatch.setattr(packed_batches, "_empty_tensor",  # dirty memory: every padding byte must be written
                         lambda shape, dtype, shared: empty(shape, dtype, shared).fill_(255))
     dataset = CacheBatches(cache, epoch_plan, epoch=0, seed=1, rule=AnchorRule(0.3, 16, 4), bucket_multiple=PAD)
     items = collect(dataset, 0)
@@ -307,7 +311,7 @@ def test_batches_hold_the_stored_rows_bit_exactly(cache: Path, epoch_plan: list[
     for item, batch in zip(items, epoch_plan):
         total = sum(s.length for s in batch)
         width = item["features"].shape[0]
-        assert width == td.bucket(total, PAD) and width % PAD == 0 and width - total < max(PAD, total / 16)
+        assert width == bucket(total, PAD) and width % PAD == 0 and width - total < max(PAD, total / 16)
         assert item["features"].dtype == torch.bfloat16 and item["features"].shape == (width, DIM)
         assert item["input_ids"].dtype == torch.long and item["loss_mask"].dtype == torch.bool
         assert item["sample_keys"].tolist() == [[s.shard, s.row] for s in batch]
@@ -326,7 +330,7 @@ def test_batches_hold_the_stored_rows_bit_exactly(cache: Path, epoch_plan: list[
         valid = item["block_valid"]
         blocks = int(valid.sum())
         assert valid.tolist() == [True] * blocks + [False] * (len(valid) - blocks)
-        assert len(valid) == td.bucket(blocks, 8)
+        assert len(valid) == bucket(blocks, 8)
         sequence = item["block_sequence"][:blocks]
         assert bool((sequence[1:] >= sequence[:-1]).all())
         assert sorted(set(sequence.tolist())) == list(range(len(batch)))  # every sequence has a block
@@ -367,7 +371,7 @@ def test_loader_order_and_content_do_not_depend_on_workers(cache: Path, epoch_pl
         assert len(items) == len(reference)
         assert all(same_batch(a, b) for a, b in zip(items, reference))
     # Workers that do not inherit the parent's memory: the dataset is pickled without open stores.
-    items = list(td.make_loader(dataset(), 2, pin_memory=False, context="forkserver"))
+    items = list(make_loader(dataset(), 2, pin_memory=False, context="forkserver"))
     assert len(items) == len(reference) and all(same_batch(a, b) for a, b in zip(items, reference))
 
 
@@ -381,7 +385,7 @@ def test_loader_workers_ignore_ctrl_c(cache: Path, epoch_plan: list[list[Sample]
 
     reference = collect(dataset(), 0)
     handler, mask = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, set())
-    batches = td.start_loader(td.make_loader(dataset(), 2, pin_memory=False, context=context))
+    batches = start_loader(make_loader(dataset(), 2, pin_memory=False, context=context))
     assert signal.getsignal(signal.SIGINT) is handler and signal.pthread_sigmask(signal.SIG_BLOCK, set()) == mask
     first = next(batches)
     workers = batches._workers  # type: ignore[attr-defined] # the loader's worker processes (a private field)
@@ -396,7 +400,7 @@ def test_loader_workers_end_quietly_on_sigterm(cache: Path, epoch_plan: list[lis
     """A scheduler's SIGTERM to the whole group: each worker exits with code 0 (a worker killed by the signal made
     torch raise "is killed by signal" in the main process on top of its own interrupt)."""
     dataset = CacheBatches(cache, epoch_plan, epoch=0, seed=1, rule=AnchorRule(None, 8, 4), bucket_multiple=PAD)
-    batches = td.start_loader(td.make_loader(dataset, 2, pin_memory=False))
+    batches = start_loader(make_loader(dataset, 2, pin_memory=False))
     next(batches)
     workers = batches._workers  # type: ignore[attr-defined] # the loader's worker processes (a private field)
     # From another process, as a scheduler's: torch's own handler ends a worker quietly only when its parent sends it.
@@ -404,7 +408,7 @@ def test_loader_workers_end_quietly_on_sigterm(cache: Path, epoch_plan: list[lis
     for worker in workers:
         worker.join(timeout=60)
     assert [worker.exitcode for worker in workers] == [0, 0]
-    td.stop_loader(batches)
+    stop_loader(batches)
 
 
 def test_an_interrupt_while_an_epoch_ends_reaches_the_loop(cache: Path, epoch_plan: list[list[Sample]],
@@ -429,7 +433,7 @@ def test_an_interrupt_while_an_epoch_ends_reaches_the_loop(cache: Path, epoch_pl
     run = SimpleNamespace(
         state=SimpleNamespace(epoch=0, position=0), options=SimpleNamespace(grad_accum=1),
         plan=lambda epoch: epoch_plan, steps_in_epoch=lambda epoch, plan: 2,
-        loader=lambda epoch, position, plan: td.make_loader(
+        loader=lambda epoch, position, plan: make_loader(
             CacheBatches(cache, plan, epoch=epoch, seed=1, rule=AnchorRule(None, 8, 4), bucket_multiple=PAD), 2,
             pin_memory=False))
     batches = step_batches(run)  # type: ignore[arg-type]
@@ -447,8 +451,9 @@ def test_resume_yields_exactly_the_tail_without_reading_skipped_features(
     full = collect(CacheBatches(cache, epoch_plan, **options), 0)
     start = 5
     reads = []
-    original = td._read_into
-    monkeypatch.setattr(td, "_read_into", lambda array, a, b, out: (reads.append(b - a), original(array, a, b, out)))
+    original = packed_batches._read_into
+    monkeypatch.setattr(packed_batches, "_read_into",
+                        lambda array, a, b, out: (reads.append(b - a), original(array, a, b, out)))
     resumed = CacheBatches(cache, epoch_plan, start, **options)
     assert len(resumed) == len(epoch_plan) - start
     tail = collect(resumed, 0)
@@ -466,7 +471,7 @@ def test_resume_yields_exactly_the_tail_without_reading_skipped_features(
 
 def test_eval_sequences_hold_the_held_out_samples(cache: Path, index: CacheIndex) -> None:
     stored = stored_samples(cache)
-    items = list(td.eval_sequences(index))
+    items = list(eval_sequences(index))
     assert [item["sample_key"] for item in items] == [(s.shard, s.row) for s in index.eval]
     for item in items:
         reference = stored[item["sample_key"]]
@@ -475,7 +480,7 @@ def test_eval_sequences_hold_the_held_out_samples(cache: Path, index: CacheIndex
         assert item["input_ids"].tolist() == reference["input_ids"].tolist()
         assert item["loss_mask"].tolist() == reference["loss_mask"].astype(bool).tolist()
         assert item["sample_index"] == reference["sample_index"] and item["sample_id"] == f"conv-{item['sample_index']}"
-    assert [i["sample_key"] for i in td.eval_sequences(index, limit=3)] == [i["sample_key"] for i in items[:3]]
+    assert [i["sample_key"] for i in eval_sequences(index, limit=3)] == [i["sample_key"] for i in items[:3]]
 
 
 # ------------------------------------------------------------------------------------------------ labels
@@ -519,10 +524,10 @@ def test_candidate_counts_match_the_rule(lengths: list[int], data) -> None:
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     mask = np.array(data.draw(st.lists(st.integers(0, 1), min_size=int(offsets[-1]), max_size=int(offsets[-1]))),
                     dtype=np.uint8)
-    counts = td._candidate_counts(mask, offsets)
+    counts = candidate_counts(mask, offsets)
     for i in range(len(lengths)):
         piece = mask[offsets[i] : offsets[i + 1]]
-        assert counts[i] == len(reference_candidates(piece)) == len(td.anchor_candidates(piece))
+        assert counts[i] == len(reference_candidates(piece)) == len(anchor_candidates(piece))
 
 
 # ---------------------------------------------------------------------------------------------- damage
@@ -620,7 +625,7 @@ def test_anchor_counts_follow_the_density_and_the_cap(candidates: int, density: 
 @settings(max_examples=200, deadline=None)
 @given(value=st.integers(0, 10**7), multiple=st.sampled_from([1, 8, 16, 128]))
 def test_buckets_pad_little_and_keep_few_shapes(value: int, multiple: int) -> None:
-    rounded = td.bucket(value, multiple)
+    rounded = bucket(value, multiple)
     assert rounded >= value and rounded % multiple == 0
     assert rounded - value < max(multiple, value / 16 + 1)
 
@@ -641,14 +646,14 @@ def test_topk_reaches_each_label_position_through_batches_and_splits(tmp_path: P
     checked = 0
     for item in collect(dataset, 0):
         count = len(item["lengths"])
-        for part in td.split_packed_batch(item, [(0, 1), (1, count)] if count > 1 else [(0, 1)]):
-            layout = td.packed_layout(part, 4)
-            labels, _ = td.packed_block_labels(part, layout, mask_token_id=999)
-            ids, logprobs = td.packed_block_topk(part, layout)
+        for part in split_packed_batch(item, [(0, 1), (1, count)] if count > 1 else [(0, 1)]):
+            layout = packed_layout(part, 4)
+            labels, _ = packed_block_labels(part, layout, mask_token_id=999)
+            ids, logprobs = packed_block_topk(part, layout)
             assert ids.dtype == torch.int32 and logprobs.dtype == torch.float16
             assert ids.shape == logprobs.shape == (*labels.shape, 3)
             keys = part["sample_keys"].tolist()
-            for n, k in (labels[0] != td.IGNORE_INDEX).nonzero().tolist():
+            for n, k in (labels[0] != IGNORE_INDEX).nonzero().tolist():
                 label = int(labels[0, n, k])
                 sequence = int(part["block_sequence"][n])
                 position = int(part["block_anchor"][n]) + k

@@ -15,9 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash.stage2_train.data import AnchorRule, CacheIndex, plan_epoch
+from dflash.stage2_train.cache_index import CacheIndex
 from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig
+from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch
 from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY
 from tests.conftest import REPO, run_dflash
 from tests.stage2_train.conftest import TRAIN_ARGS, final_losses
