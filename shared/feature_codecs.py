@@ -171,13 +171,6 @@ def logical_codec(logical_dtype: str) -> FeatureCodec:
     raise ValueError(f"unknown stored feature dtype {logical_dtype!r}")
 
 
-def bf16_view(features_uint16: np.ndarray) -> Tensor:
-    """A torch.bfloat16 tensor sharing memory with the uint16 array that stores its bits."""
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(features_uint16)).view(torch.bfloat16)
-
-
 def bf16_bits(tensor: Tensor) -> np.ndarray:
     """The uint16 bit pattern of a (CPU) bfloat16 tensor, for storage."""
     import torch

@@ -239,12 +239,6 @@ def grouped_dense_mask(
     return GroupedMask(mask.reshape(-1, 1, group_queries, ctx_len + group_queries))
 
 
-def dense_mask(anchors: Sequence[int] | Tensor, seq_len: int, block_size: int) -> Tensor:
-    """Boolean mask [A * Bk, S + A * Bk] for one sequence of length S with the given anchors."""
-    layout = AnchorLayout.from_anchor_lists([anchors], [seq_len], block_size)
-    return batch_dense_mask(layout)[0]
-
-
 def make_mask_mod(layout: AnchorLayout, sliding_window: int | None = None) -> MaskMod:
     """A flex-attention ``mask_mod(b, h, q_idx, kv_idx)`` implementing the DFlash rule for ``layout``."""
     _check_window(layout, sliding_window)

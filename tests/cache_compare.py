@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
-from dflash.shared.feature_codecs import bf16_view
+from dflash.shared.feature_codecs import BF16
 
 ARRAYS = ("features", "input_ids", "loss_mask", "offsets", "sample_index", "sample_id")
 
@@ -37,7 +37,7 @@ BATCHING_WORST_RELATIVE = 0.2
 
 def assert_features_close(a: np.ndarray, b: np.ndarray, layers: int, what: str) -> None:
     """Features of two batchings of the same samples agree within bf16 rounding (see BATCHING_*_RELATIVE)."""
-    x, y = (bf16_view(rows).float().numpy().reshape(len(rows), layers, -1) for rows in (a, b))
+    x, y = (BF16.decode_numpy(rows, None).float().numpy().reshape(len(rows), layers, -1) for rows in (a, b))
     relative = np.linalg.norm(x - y, axis=-1) / np.maximum(np.linalg.norm(x, axis=-1), 1e-6)  # [tokens, layers]
     assert relative.mean(axis=0).max() <= BATCHING_MEAN_RELATIVE, f"{what}: mean {relative.mean(axis=0)}"
     assert relative.max() <= BATCHING_WORST_RELATIVE, f"{what}: worst token {relative.max(axis=0)}"

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from dflash.shared import cache_format as cf
-from dflash.shared.feature_codecs import bf16_view
 from tests.conftest import REPO, make_conversations, run_dflash
 from tests.end_to_end.families import FAMILIES, build_family
 
@@ -86,7 +85,7 @@ def _features_equal_a_plain_forward(cache: Path, model_dir: Path) -> None:
         reader = cf.ShardReader(store)
         for i in range(reader.num_samples):
             ids, _ = reader.sample_tokens(i)
-            stored, direct = bf16_view(reader.sample_features(i)), layers_of(model, ids)
+            stored, direct = reader.sample_feature_tensor(i), layers_of(model, ids)
             if torch.equal(stored, direct):
                 equal += 1
             else:

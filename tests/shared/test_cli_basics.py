@@ -53,7 +53,7 @@ class ShardProblem(UserError):
 def test_an_error_from_a_dataloader_worker_is_shown_as_its_own_message(capsys: pytest.CaptureFixture[str]) -> None:
     # What torch's ExceptionWrapper.reraise builds in the main process for an error in a loader worker.
     remote = ShardProblem("Caught ShardProblem in DataLoader worker process 1.\nOriginal Traceback (most recent "
-                          "call last):\n  File \"data.py\", line 510, in __iter__\n    raise _shard_error(...)\n"
+                          "call last):\n  File \"packed_batches.py\", line 160, in batch\n    raise shard_error(...)\n"
                           "tests.shared.test_cli_basics.ShardProblem: shard 1 could not be read; re-extract it\n")
     assert user_message(remote) == "shard 1 could not be read; re-extract it"
     assert user_message(ShardProblem("plain message")) == "plain message"

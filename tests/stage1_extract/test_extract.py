@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from dflash.shared import cache_format as cf
 from dflash.shared.target_loading import load_target_model, resolve_target
-from dflash.shared.feature_codecs import bf16_view
 from dflash.shared.target_layers import LayerCapture, default_layer_ids
 from dflash.stage1_extract.worker import plan_batches
 from tests.cache_compare import assert_same_cache, read_cache_arrays
@@ -110,7 +109,7 @@ def test_cached_features_equal_a_direct_forward_of_each_sample(baseline_cache: P
         reader = cf.ShardReader(store)
         for i in range(reader.num_samples):
             ids, _ = reader.sample_tokens(i)
-            stored = bf16_view(reader.sample_features(i)).float().view(len(ids), len(layer_ids), -1)
+            stored = reader.sample_feature_tensor(i).float().view(len(ids), len(layer_ids), -1)
             direct = layers_of(smollm2, ids)
             assert stored.shape == direct.shape
             if not torch.equal(stored, direct):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from zarr.codecs import Crc32cCodec
 
 from dflash.shared import cache_format as cf
-from dflash.shared.feature_codecs import BF16, bf16_view
+from dflash.shared.feature_codecs import BF16
 from dflash.stage1_extract.shard_writer import FeatureShardWriter
 from dflash.stage1_extract.zarr_shard_file import write_shard_file
 
@@ -69,9 +69,9 @@ def test_writer_round_trip_in_uneven_batches(tmp_path: Path, feature_dim: int, m
     writer.close({"samples": len(lengths)})
     reader = cf.ShardReader(final)
     assert reader.num_samples == len(lengths) and reader.num_tokens == total
-    stored = bf16_view(np.asarray(reader.features[:]))
+    stored = reader.rows_tensor(0, reader.num_tokens)
     assert torch.equal(stored, features)  # bit-exact bf16
-    assert torch.equal(bf16_view(reader.sample_features(2)), features[73:224])
+    assert torch.equal(reader.sample_feature_tensor(2), features[73:224])
     assert not list(final.parent.glob(".*tmp*"))
 
 

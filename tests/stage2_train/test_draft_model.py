@@ -19,7 +19,6 @@ from dflash.stage2_train.attention_masks import (
     AnchorLayout,
     batch_dense_mask,
     blocks_per_group,
-    dense_mask,
     grouped_dense_mask,
 )
 from dflash.stage2_train.draft_attention import eager_attention, grouped_attention, sdpa_attention, training_drafter
@@ -210,6 +209,11 @@ def anchors_and_sizes(draw):
     block = draw(st.integers(1, 6))
     anchors = sorted(draw(st.sets(st.integers(0, seq_len - 1), min_size=1, max_size=min(seq_len, 8))))
     return anchors, seq_len, block
+
+
+def dense_mask(anchors: list[int], seq_len: int, block_size: int) -> torch.Tensor:
+    """The boolean mask [A * Bk, S + A * Bk] of one sequence of length S with these anchors."""
+    return batch_dense_mask(AnchorLayout.from_anchor_lists([anchors], [seq_len], block_size))[0]
 
 
 @settings(max_examples=60, deadline=None)

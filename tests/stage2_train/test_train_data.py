@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from dflash.shared import cache_format as cf
 from dflash.shared.cache_format import CacheError
-from dflash.shared.feature_codecs import BF16, bf16_view
+from dflash.shared.feature_codecs import BF16
 from dflash.stage1_extract.shard_writer import FeatureShardWriter
 from dflash.stage2_train import packed_batches
 from dflash.stage2_train.cache_index import CacheIndex, Sample, anchor_candidates, candidate_counts, split_hash
@@ -155,7 +155,7 @@ def stored_samples(cache: Path) -> dict[tuple[int, int], dict]:
         index = np.asarray(reader.group["sample_index"][:])
         for row in range(reader.num_samples):
             ids, mask = reader.sample_tokens(row)
-            result[(int(key), row)] = {"features": bf16_view(reader.sample_features(row)), "input_ids": ids,
+            result[(int(key), row)] = {"features": reader.sample_feature_tensor(row), "input_ids": ids,
                                        "loss_mask": mask, "sample_index": int(index[row])}
     return result
 
