@@ -187,7 +187,7 @@ def extract_tok_s(target: Target, dtype: str, rates: Rates, captured: int = CAPT
 
 def anchors_per_sample(length: float, loss_fraction: float, density: float | None = DEFAULT_ANCHOR_DENSITY,
                        max_anchors: int = MAX_ANCHORS) -> float:
-    """Blocks a sample of this length trains per epoch (`data.AnchorRule.count` on its mean candidate count)."""
+    """Blocks a sample of this length trains per epoch (`epoch_plan.AnchorRule.count` on its mean candidate count)."""
     candidates = max(0.0, loss_fraction * length - 1)
     wanted = candidates if density is None else max(1.0, math.ceil(density * candidates - 1e-9))
     return min(wanted, candidates, max_anchors)

@@ -4,8 +4,8 @@ Read it in order: `run_setup.setup_run` builds the run (accelerator, data, draft
 below is the loop, `train_step` is one optimizer step, and the loss it minimises is `run.objective`
 (`objective.py`, chosen with `--loss`).
 
-A global step is world_size x grad_accum consecutive micro-batches of the epoch's plan (`data.plan_epoch`); the loss
-of every micro-batch is normalised by the weight sum of the whole global step, all-reduced before the forward, so
+A global step is world_size x grad_accum consecutive micro-batches of the epoch's plan (`epoch_plan.plan_epoch`); the
+loss of every micro-batch is normalised by the weight sum of the whole global step, all-reduced before the forward, so
 the update is the same for any split of the global batch over processes and accumulation steps.
 """
 
