@@ -10,7 +10,8 @@ from pathlib import Path
 
 from dflash.shared import cache_format as cf
 from dflash.shared import object_store
-from dflash.stage1_extract.supervisor import ExtractOptions, ExtractRefused, run_extract
+from dflash.stage1_extract.options import ExtractOptions
+from dflash.stage1_extract.supervisor import ExtractRefused, run_extract
 
 
 def repair_options(out: Path, workers: int | None = None, verbose: bool = False) -> tuple[ExtractOptions, list[int]]:
