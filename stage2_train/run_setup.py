@@ -32,7 +32,7 @@ from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFLASH2_DEFAULTS, DFlashConfig, config_from_target
 from dflash.stage2_train.modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from dflash.stage2_train.loss import default_gamma, position_weights
-from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, fake_oom_sequences, in_use_bytes,
+from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, in_use_bytes,
                                              limit_from_option, make_plan, step_bytes)
 from dflash.stage2_train.objective import NEEDS_TARGET_TOPK, Objective, check_cache_for, make_objective
 from dflash.stage2_train.options import TrainOptions
@@ -84,8 +84,6 @@ class TrainingRun:
     total_steps: int
     memory: MemoryPlan | None = None  # how micro-batches are split to fit the device (`plan_memory`)
     out_of_memory_retries: int = 0  # steps that ran out of memory all the same and were retried smaller
-    # Tests only: a micro-batch of more sequences than this raises a fake out-of-memory error (FAKE_OOM_SEQUENCES_ENV)
-    fake_oom_sequences: int | None = field(default_factory=fake_oom_sequences)
     state: TrainState = field(default_factory=TrainState)
     target_init: dict[str, Any] | None = None  # what --init-from-target copied (`target_init.init_from_target`)
     best_tau: float = -math.inf  # the best validation walk tau after step 0 (export_best/)

@@ -38,7 +38,7 @@ from dflash.stage2_train.data import (
 from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.export import export_draft, load_draft
 from dflash.stage2_train.loss import selector_loss, weight_sum
-from dflash.stage2_train.memory_plan import FAKE_OOM_SEQUENCES_ENV, GIB, measured_peak_bytes
+from dflash.stage2_train.memory_plan import GIB, measured_peak_bytes
 from dflash.stage2_train.objective import MicroBatch
 from dflash.stage2_train.run_setup import TrainingRun, TrainOptions, setup_run
 
@@ -254,9 +254,6 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[MicroBatch]
         correct += stats["correct_by_position"].float()
         counted += stats["count_by_position"].float()
         block_tokens += int(micro.layout.block_valid.sum()) * options.block_size
-        if run.fake_oom_sequences is not None and micro.sequences > run.fake_oom_sequences:
-            raise torch.OutOfMemoryError(f"fake out-of-memory error ({FAKE_OOM_SEQUENCES_ENV}="
-                                         f"{run.fake_oom_sequences}, {micro.sequences} sequences)")
     return step_loss, terms, counts, correct, counted, block_tokens
 
 
