@@ -21,10 +21,10 @@ def repair_options(out: Path, workers: int | None = None, verbose: bool = False)
     from dflash.shared.cache_commands import verify_cache
 
     manifest = cf.read_manifest(out)
-    recorded = manifest.get(cf.OPTIONS_KEY)
-    if not recorded:
+    recorded = manifest[cf.OPTIONS_KEY]
+    if recorded is None:
         raise ExtractRefused(
-            f"{out / cf.MANIFEST_FILE} does not record the options of the run that made it (an older dflash): "
+            f"{out / cf.MANIFEST_FILE} does not record the options of the run that made it: "
             "--repair cannot redo its shards; re-extract the damaged ones with `dflash extract --out "
             f"{out} --only-shards N --overwrite --yes` and exactly the options of the original run")
     damaged = set(verify_cache(out))

@@ -236,9 +236,6 @@ class Supervisor:
             if existing is not None:
                 differences = cf.identity_mismatch(existing["identity"], identity)
                 if not differences:
-                    if cf.OPTIONS_KEY not in existing:  # made by an older dflash: these options made the same cache
-                        existing[cf.OPTIONS_KEY] = extra[cf.OPTIONS_KEY]
-                        cf.write_json_atomic(self.cache_dir / cf.MANIFEST_FILE, existing)
                     return existing
                 if self.options.redo:
                     raise ExtractRefused(

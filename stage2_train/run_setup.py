@@ -246,22 +246,15 @@ def claim_run_dir(options: TrainOptions, files: RunFiles) -> Any:
 
 
 def keep_recorded_split(options: TrainOptions, files: RunFiles) -> None:
-    """--resume: the cache is split as when the run started. A run started before dflash held out a test split
-    recorded no test fraction and had none (its held-out samples are its validation split): it resumes without one.
-    Other split flags than the run's are refused."""
+    """--resume: the cache is split as when the run started; other split flags than the run's are refused."""
     if not files.options.is_file():
         return
-    record = json.loads(files.options.read_text())
-    if "test_fraction" not in record:
-        if options.test_fraction:
-            log.info("--resume: this run started before dflash held out a test split; it goes on without one "
-                     "(--test-fraction 0), so its training split stays as it was")
-        options.test_fraction = 0.0
+    record = files.recorded_options("eval_fraction", "test_fraction", "seed")
     given = {"--eval-fraction": options.eval_fraction, "--test-fraction": options.test_fraction, "--seed": options.seed}
-    made = {"--eval-fraction": record.get("eval_fraction"), "--test-fraction": record.get("test_fraction", 0.0),
-            "--seed": record.get("seed")}
+    made = {"--eval-fraction": record["eval_fraction"], "--test-fraction": record["test_fraction"],
+            "--seed": record["seed"]}
     differences = [f"{flag}: the run has {made[flag]}, this command gives {value}" for flag, value in given.items()
-                   if made[flag] is not None and float(made[flag]) != float(value)]
+                   if float(made[flag]) != float(value)]
     if differences:
         raise UserError(f"--resume: the run in {files.root} split its cache otherwise:\n  " + "\n  ".join(differences)
                         + "\nresume with the flags it was started with")
@@ -341,13 +334,6 @@ def config_differences(config: DFlashConfig, before: dict[str, Any], what: str) 
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "num_hidden_layers", "vocab_size", "block_size", "num_target_layers", "dflash_config", "layer_types")
     before = {**before, "block_size": (before.get("dflash_config") or {}).get("block_size", before.get("block_size"))}
-    # Drafters exported before dflash recorded the target's embedding scale and model type trained with scale 1 and
-    # say nothing of the type: they match a config that records scale 1 (and any type).
-    recorded = dict(before.get("dflash_config") or {})
-    recorded.setdefault("embed_scale", 1.0)
-    if "target_model_type" not in recorded and "target_model_type" in now.get("dflash_config", {}):
-        recorded["target_model_type"] = now["dflash_config"]["target_model_type"]
-    before = {**before, "dflash_config": recorded}
     return [f"{key}: {what} has {before.get(key)!r}, this cache and these flags give {now.get(key)!r}"
             for key in keys if before.get(key) != now.get(key)]
 
