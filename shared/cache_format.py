@@ -62,6 +62,7 @@ LOCKS_DIR = "locks"
 LOG_FILE = "extract.log"
 EMBEDDINGS_FILE = "embeddings.safetensors"
 DECODER_LAYERS_FILE = "decoder_layers.safetensors"  # in target/, only with `dflash extract --export-layers`
+TARGET_RECORD_FILE = "dflash_target.json"  # in target/: stop token ids, embedding scale, model type
 # Everything a cache directory may hold (anything else: the folder is not a cache; extract will not write there).
 CACHE_ENTRIES = (MANIFEST_FILE, MANIFEST_FILE + ".lock", LOG_FILE, TARGET_DIR, SHARDS_DIR, STATUS_DIR, LOCKS_DIR)
 
@@ -80,7 +81,7 @@ IDENTITY_KEYS = (
     "max_length",
     "overlength",
     "num_shards",
-    "target_topk",  # TopKFormat.record() or None (absent in caches made before top-k existed: None)
+    "target_topk",  # TopKFormat.record() or None
 )
 
 # The manifest's record of the options of the run that made the cache (what `dflash extract --repair` reruns).
@@ -128,6 +129,10 @@ def read_manifest(cache_dir: Path) -> dict[str, Any]:
         raise CacheError(
             f"{path} has format version {version!r}; this dflash reads version {FORMAT_VERSION}: upgrade dflash"
         )
+    # Format version 1 gained these keys after its first caches were written; their absence means no top-k is
+    # stored and the run's options were not recorded (then `--repair` cannot redo a shard).
+    manifest["identity"].setdefault("target_topk", None)
+    manifest.setdefault(OPTIONS_KEY, None)
     return manifest
 
 
@@ -191,7 +196,7 @@ TOPK_LOGPROB_DTYPE = "float16"
 class TopKFormat:
     """How a cache stores the target's top-k next-token distribution (`dflash extract --store-target-topk K`):
     K ids (uint16 when the vocabulary fits, else int32) and K float16 log-probabilities per supervised token.
-    Recorded in the manifest's identity as `record()`; caches without it (and older caches) have None."""
+    Recorded in the manifest's identity as `record()`; caches without it have None."""
 
     k: int
     ids_dtype: str
@@ -211,7 +216,7 @@ class TopKFormat:
 
     @staticmethod
     def of_manifest(manifest: dict[str, Any]) -> TopKFormat | None:
-        return TopKFormat.from_record(manifest["identity"].get("target_topk"))
+        return TopKFormat.from_record(manifest["identity"]["target_topk"])
 
     def record(self) -> dict[str, Any]:
         return {"k": self.k, "ids_dtype": self.ids_dtype, "logprobs_dtype": self.logprobs_dtype}
@@ -489,6 +494,18 @@ class ShardReader:
 
 
 # ------------------------------------------------------------------------------------------ target folder
+
+
+def read_target_record(cache_dir: Path) -> dict[str, Any]:
+    """target/dflash_target.json: `stop_token_ids`, `embed_scale` (what the target's embedding module multiplies
+    its rows by) and `model_type` (of its text model, or None). Format version 1 gained the last two after its first
+    caches were written; absent, the embedding is unscaled and the type is the config's."""
+    record = json.loads((cache_dir / TARGET_DIR / TARGET_RECORD_FILE).read_text())
+    record.setdefault("embed_scale", 1.0)
+    if "model_type" not in record:
+        config = json.loads((cache_dir / TARGET_DIR / "config.json").read_text())
+        record["model_type"] = config.get("text_config", config).get("model_type")
+    return record
 
 
 def read_layer_record(path: Path) -> dict[str, Any]:

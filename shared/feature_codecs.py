@@ -159,8 +159,8 @@ def codec(name: str) -> FeatureCodec:
 
 
 def manifest_codec(manifest: dict[str, Any]) -> FeatureCodec:
-    """The codec a cache was written with, from its manifest (caches from before fp8 existed hold bf16)."""
-    return codec(manifest["identity"].get("feature_dtype", "bf16"))
+    """The codec a cache was written with, from its manifest."""
+    return codec(manifest["identity"]["feature_dtype"])
 
 
 def logical_codec(logical_dtype: str) -> FeatureCodec:

@@ -21,6 +21,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from dflash.shared.errors import UserError
 
 # An export folder (what `dflash train` and `dflash export` write, and what eval, vLLM and SGLang load).
 CONFIG_FILE = "config.json"
@@ -113,6 +116,16 @@ class RunFiles:
         found = [p for p in self.checkpoints.glob("step-*") if (p / CHECKPOINT_COMPLETE_FILE).is_file()]
         return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
+    def recorded_options(self, *needed: str) -> dict[str, Any]:
+        """The options the run was started with (train_options.json), refused with one line when they lack one of
+        the `needed` ones."""
+        record = json.loads(self.options.read_text())
+        missing = [name for name in needed if name not in record]
+        if missing:
+            raise UserError(f"{self.options} does not record {', '.join(missing)}: this dflash cannot go on with or "
+                            f"evaluate the run in {self.root}; train it afresh")
+        return record
+
     def latest_checkpoint(self) -> Path | None:
         done = self.complete_checkpoints()
         return done[-1] if done else None
@@ -120,7 +133,8 @@ class RunFiles:
 
 def run_of_export(export_dir: Path) -> RunFiles | None:
     """The run directory an export came from: the one its target record names (written by `dflash train` and
-    `dflash export`), else its parent when that is a run directory (older exports); None for a foreign export."""
+    `dflash export`), else its parent when that is a run directory (RUN/export of a run moved since); None for a
+    foreign export."""
     export_dir = Path(export_dir).resolve()
     info_path = export_dir / TARGET_INFO_FILE
     if info_path.is_file():

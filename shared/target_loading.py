@@ -87,10 +87,48 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(tmp_dir)
     generation = model.generation_config or GenerationConfig()
     generation.save_pretrained(tmp_dir)
+    _readable_by_transformers_4(tmp_dir)
     (tmp_dir / "dflash_source.json").write_text(json.dumps({"gguf": str(gguf_path)}, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp_dir, out_dir)
     log.info("converted in %.1f s", time.time() - started)
+
+
+# transformers 5 writes a model's RoPE as `rope_parameters` (its rope_theta inside) and names the generic fast
+# tokenizer `TokenizersBackend`. transformers 4 (4.57.1 is z-lab/dflash's pin) reads `rope_theta` and `rope_scaling`
+# at the top level, silently taking 10000 for a missing rope_theta, and knows that tokenizer only as
+# `PreTrainedTokenizerFast`, a name transformers 5 keeps for the same class.
+TOKENIZER_CLASS_IN_TRANSFORMERS_4 = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+
+def rope_keys_for_transformers_4(config: dict[str, Any]) -> dict[str, Any]:
+    """The top-level keys through which transformers 4 reads the RoPE that a config's `rope_parameters` describe:
+    rope_theta, and rope_scaling for a RoPE type other than default (empty where the parameters are absent or
+    differ by layer type, which transformers 4 spells per model)."""
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or not isinstance(rope.get("rope_theta"), (int, float)):
+        return {}
+    keys: dict[str, Any] = {"rope_theta": rope["rope_theta"]}
+    if rope.get("rope_type", "default") != "default":
+        keys["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return keys
+
+
+def _readable_by_transformers_4(folder: Path) -> None:
+    """Make a folder written by transformers 5 load as the same model and tokenizer in transformers 4: its RoPE
+    also at the top level of config.json, its tokenizer class by the name both versions know. The target hash
+    reads these files as they were before (`_content_view`), so a cache made from a folder converted without them
+    still matches."""
+    config_path, tokenizer_path = folder / "config.json", folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, **rope_keys_for_transformers_4(config)}, indent=2, sort_keys=True)
+                           + "\n")
+    if tokenizer_path.is_file():
+        tokenizer = json.loads(tokenizer_path.read_text())
+        name = tokenizer.get("tokenizer_class")
+        if name in TOKENIZER_CLASS_IN_TRANSFORMERS_4:
+            tokenizer["tokenizer_class"] = TOKENIZER_CLASS_IN_TRANSFORMERS_4[name]
+            tokenizer_path.write_text(json.dumps(tokenizer, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def resolve_target(model: str | None) -> ResolvedTarget:
@@ -177,7 +215,8 @@ def local_model_files(load_path: str) -> Path:
 # same GGUF again in another environment changed the hash, and eval, --init-from and resuming an extraction then
 # refused caches and drafters of the very same target.
 HASH_RULE = "v2:"
-# Keys of the model's JSON files that record how the folder was made or loaded, not what the model is.
+# Keys of the model's JSON files that record how the folder was made or loaded, not what the model is. What only
+# restates the model for transformers 4 is read as absent too (`_content_view`).
 _PROVENANCE_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash", "local_files_only",
                               "is_local"})
 _PROVENANCE_FILES = frozenset({"dflash_source.json"})  # written by the GGUF conversion: the GGUF's absolute path
@@ -198,8 +237,8 @@ def target_content_hash(load_path: str, like: str | None = None) -> str:
     digest = hashlib.sha256(weights.encode())
     for path in files:
         if path.suffix == ".json" and path.name not in _PROVENANCE_FILES:
-            digest.update(f"{path.name}:{json.dumps(_without_provenance(json.loads(path.read_text())), sort_keys=True)}"
-                          .encode())
+            content = _content_view(path.name, _without_provenance(json.loads(path.read_text())))
+            digest.update(f"{path.name}:{json.dumps(content, sort_keys=True)}".encode())
     return HASH_RULE + digest.hexdigest()
 
 
@@ -209,6 +248,22 @@ def _without_provenance(value: Any) -> Any:
     if isinstance(value, list):
         return [_without_provenance(v) for v in value]
     return value
+
+
+def _content_view(name: str, data: Any) -> Any:
+    """A model JSON file as the hash reads it: without what only restates the same model for transformers 4
+    (`_readable_by_transformers_4`): top-level RoPE keys equal to those its `rope_parameters` give, and the
+    transformers 4 name of a tokenizer class read as its transformers 5 name."""
+    if not isinstance(data, dict):
+        return data
+    if name == "config.json":
+        restated = rope_keys_for_transformers_4(data)
+        return {k: v for k, v in data.items() if not (k in restated and restated[k] == v)}
+    if name == "tokenizer_config.json":
+        same_class = {v: k for k, v in TOKENIZER_CLASS_IN_TRANSFORMERS_4.items()}
+        if data.get("tokenizer_class") in same_class:
+            return {**data, "tokenizer_class": same_class[data["tokenizer_class"]]}
+    return data
 
 
 def same_target_hash(first: str | None, second: str | None) -> bool | None:

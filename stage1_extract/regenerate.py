@@ -20,7 +20,6 @@ whose first prompt does not fit is skipped ("prompt_too_long").
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -29,7 +28,7 @@ import torch
 from dflash.shared.errors import is_out_of_memory
 from dflash.shared.logs import get_logger
 from dflash.stage1_extract.conversations import Conversation, chat_token_ids
-from dflash.stage1_extract.worker import FAKE_OOM_ENV, SampleOutOfMemory, plan_batches
+from dflash.stage1_extract.worker import SampleOutOfMemory, plan_batches
 
 log = get_logger(__name__)
 
@@ -106,7 +105,6 @@ class ConversationRegenerator:
         self.device = next(model.parameters()).device
         self.batch_tokens = settings.batch_tokens
         self.oom_retries = 0
-        self.fake_oom_tokens = int(os.environ.get(FAKE_OOM_ENV, "0"))
 
     def regenerate(self, conversations: list[tuple[str, Conversation]]) -> list[dict[str, Any]]:
         """(key, conversation) pairs -> one output record each, in the same order."""
@@ -190,8 +188,6 @@ class ConversationRegenerator:
         new_tokens = max(budgets)
         static = self.settings.static_cache
         rows = max(len(batch), self._static_rows()) if static else len(batch)
-        if self.fake_oom_tokens and rows * (width + new_tokens) > self.fake_oom_tokens:
-            raise torch.OutOfMemoryError(f"fake OOM ({FAKE_OOM_ENV}={self.fake_oom_tokens})")
         # Left padding: every row's answer starts at column `width`. Static batches are filled up to `rows` with
         # copies of the last prompt, so every batch has the shape the compiled decoding step was made for.
         filled = [ids for _, ids in batch] + [batch[-1][1]] * (rows - len(batch))

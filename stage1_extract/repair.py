@@ -10,7 +10,8 @@ from pathlib import Path
 
 from dflash.shared import cache_format as cf
 from dflash.shared import object_store
-from dflash.stage1_extract.supervisor import ExtractOptions, ExtractRefused, run_extract
+from dflash.stage1_extract.options import ExtractOptions
+from dflash.stage1_extract.supervisor import ExtractRefused, run_extract
 
 
 def repair_options(out: Path, workers: int | None = None, verbose: bool = False) -> tuple[ExtractOptions, list[int]]:
@@ -20,10 +21,10 @@ def repair_options(out: Path, workers: int | None = None, verbose: bool = False)
     from dflash.shared.cache_commands import verify_cache
 
     manifest = cf.read_manifest(out)
-    recorded = manifest.get(cf.OPTIONS_KEY)
-    if not recorded:
+    recorded = manifest[cf.OPTIONS_KEY]
+    if recorded is None:
         raise ExtractRefused(
-            f"{out / cf.MANIFEST_FILE} does not record the options of the run that made it (an older dflash): "
+            f"{out / cf.MANIFEST_FILE} does not record the options of the run that made it: "
             "--repair cannot redo its shards; re-extract the damaged ones with `dflash extract --out "
             f"{out} --only-shards N --overwrite --yes` and exactly the options of the original run")
     damaged = set(verify_cache(out))

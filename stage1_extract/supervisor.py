@@ -17,13 +17,11 @@ import statistics
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dflash.shared import cache_format as cf
 from dflash.shared.errors import UserError
-from dflash.shared.feature_codecs import FEATURE_DTYPES
 from dflash.shared.interrupts import interrupt_signal, raise_interrupt
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.output_dirs import refuse_foreign_folder
@@ -39,6 +37,7 @@ from dflash.shared.target_loading import (
     target_content_hash,
 )
 from dflash.stage1_extract.conversations import LoadedConversations, load_conversations, template_fingerprint
+from dflash.stage1_extract.options import ExtractOptions
 from dflash.stage1_extract.target_export import export_decoder_layers, export_target_files
 from dflash.stage1_extract.worker import ShardTask, WorkerConfig, worker_main
 
@@ -49,41 +48,6 @@ EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 3
 
 class ExtractRefused(RuntimeError):
     """The run cannot start (cache mismatch, shards locked by another run, bad option)."""
-
-
-@dataclass
-class ExtractOptions:
-    out: Path
-    model: str | None = None
-    data: str | None = None
-    column: str | None = None
-    split: str = "train"
-    max_samples: int | None = None
-    max_length: int = 2048
-    overlength: str = "truncate"
-    draft_layers: int = 5
-    target_layers: list[int] | None = None
-    shards: int | None = None
-    only_shards: str | None = None
-    workers: int | None = None
-    batch_tokens: int | None = None
-    feature_dtype: str = FEATURE_DTYPES[0]  # the CLI default (docs/benchmarks.md "fp8 features")
-    store_target_topk: int | None = None  # K: store the target's top-k next-token distribution (None: do not)
-    export_layers: str | None = None  # decoder layers copied into target/ for `dflash train --init-from-target`
-    overwrite: bool = False
-    redo: bool = False  # --repair: redo the selected shards even if complete; never discard the cache
-    verbose: bool = False
-
-    def recorded(self, layer_ids: list[int]) -> dict[str, Any]:
-        """What the manifest keeps of these options: everything `--repair` needs to redo a shard as it was made
-        (local paths made absolute, so the repair works from any directory)."""
-        def local(value: str | None) -> str | None:
-            return str(Path(value).resolve()) if value and Path(value).exists() else value
-
-        return {"model": local(self.model), "data": local(self.data), "column": self.column, "split": self.split,
-                "max_samples": self.max_samples, "max_length": self.max_length, "overlength": self.overlength,
-                "target_layers": layer_ids, "feature_dtype": self.feature_dtype, "batch_tokens": self.batch_tokens,
-                "store_target_topk": self.store_target_topk, "export_layers": self.export_layers}
 
 
 def confirm_overwrite(out: Path, yes: bool) -> None:
@@ -272,9 +236,6 @@ class Supervisor:
             if existing is not None:
                 differences = cf.identity_mismatch(existing["identity"], identity)
                 if not differences:
-                    if cf.OPTIONS_KEY not in existing:  # made by an older dflash: these options made the same cache
-                        existing[cf.OPTIONS_KEY] = extra[cf.OPTIONS_KEY]
-                        cf.write_json_atomic(self.cache_dir / cf.MANIFEST_FILE, existing)
                     return existing
                 if self.options.redo:
                     raise ExtractRefused(

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dflash.shared.cache_format import DECODER_LAYERS_FILE, EMBEDDINGS_FILE, read_layer_record
+from dflash.shared.cache_format import DECODER_LAYERS_FILE, EMBEDDINGS_FILE, TARGET_RECORD_FILE, read_layer_record
 from dflash.shared.errors import UserError
 from dflash.shared.target_layers import DECODER_LAYER_TENSORS
 
@@ -80,7 +80,7 @@ def export_target_files(model_folder: Path, tokenizer: Any, target_dir: Path, st
     text_config = config.get("text_config", config)
     record = {"stop_token_ids": stop_token_ids, "embed_scale": float(embed_scale),
               "model_type": text_config.get("model_type", config.get("model_type"))}
-    (tmp / "dflash_target.json").write_text(json.dumps(record, indent=2))
+    (tmp / TARGET_RECORD_FILE).write_text(json.dumps(record, indent=2))
     shutil.rmtree(target_dir, ignore_errors=True)
     os.replace(tmp, target_dir)
 

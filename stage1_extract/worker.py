@@ -38,8 +38,6 @@ from dflash.stage1_extract.target_topk import TargetTopK
 
 log = get_logger(__name__)
 
-# Fault injection for tests: batches with more padded tokens than this raise a (fake) out-of-memory error.
-FAKE_OOM_ENV = "DFLASH_FAKE_OOM_TOKENS"
 # Skip reasons a longer --max-length can cure (tokenize_conversation).
 LENGTH_SKIPS = ("too_long", "no_assistant_tokens")
 
@@ -135,7 +133,6 @@ class ShardExtractor:
         self.feature_dim = self.hidden_size * len(config.layer_ids)
         self.batch_tokens = config.batch_tokens
         self.pad_multiple = 64 if device.type == "cuda" else 8
-        self.fake_oom_tokens = int(os.environ.get(FAKE_OOM_ENV, "0"))
         self.oom_retries = 0
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.num_layers = len(config.layer_ids)
@@ -249,8 +246,6 @@ class ShardExtractor:
 
     def _forward(self, batch: list[TokenizedSample], writer: FeatureShardWriter) -> None:
         width = _round_up(max(len(s.input_ids) for s in batch), self.pad_multiple)
-        if self.fake_oom_tokens and width * len(batch) > self.fake_oom_tokens:
-            raise torch.OutOfMemoryError(f"fake OOM ({FAKE_OOM_ENV}={self.fake_oom_tokens})")
         ids = np.zeros((len(batch), width), dtype=np.int64)
         mask = np.zeros((len(batch), width), dtype=np.int64)
         for row, sample in enumerate(batch):

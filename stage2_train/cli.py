@@ -20,9 +20,9 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
               help="With an s3:// cache: fetch each ~64 MB shard file whole on its first read and keep it on local "
                    "disk (read-through; needs the disk space of the cache). Without it every read is a ranged GET: "
                    "17x slower in benchmarks/results/remote_loader_moto_cpu.json.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("dflash_run"), show_default=True,
+@click.option("--out", type=click.Path(path_type=Path), default=TrainOptions.out, show_default=True,
               help="Run directory: logs, metrics, TensorBoard, plots, checkpoints/, export/.")
-@click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--epochs", type=click.IntRange(min=1), default=TrainOptions.epochs, show_default=True,
               help="Passes over the training split (each with a new shuffle and new anchors).")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N optimizer steps.")
 @click.option("--draft-layers", type=click.IntRange(1, 16), default=None,
@@ -33,7 +33,7 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
               help="Make every drafter layer but the last a sliding-window layer of this many positions.")
 @click.option("--mask-token-id", type=int, default=None,
               help="Token whose embedding fills unknown block positions. Default: the reference resolution order.")
-@click.option("--loss", type=click.Choice(LOSSES), default="ce", show_default=True,
+@click.option("--loss", type=click.Choice(LOSSES), default=TrainOptions.loss, show_default=True,
               help="Training objective (stage2_train/objective.py): ce = the reference's gamma-weighted "
                    "cross-entropy on the target's tokens; kl = KL from the target's top-k distribution (its other "
                    "tokens as one bucket) to the drafter's, same weights; mix = (1 - w) ce + w kl. kl and mix need a "
@@ -54,13 +54,15 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
                    "candidate) or drop the position from the selector loss. The run logs the candidate recall.")
 @click.option("--lr", type=float, default=TrainOptions.lr, show_default=True,
               help="Peak learning rate of AdamW (warm-up, then cosine to 0).")
-@click.option("--warmup", type=float, default=0.04, show_default=True, help="Warm-up fraction of the steps.")
-@click.option("--weight-decay", type=float, default=0.0, show_default=True, help="AdamW weight decay.")
-@click.option("--clip", type=float, default=1.0, show_default=True, help="Gradient-norm clip (0 = off).")
+@click.option("--warmup", type=float, default=TrainOptions.warmup, show_default=True,
+              help="Warm-up fraction of the steps.")
+@click.option("--weight-decay", type=float, default=TrainOptions.weight_decay, show_default=True,
+              help="AdamW weight decay.")
+@click.option("--clip", type=float, default=TrainOptions.clip, show_default=True, help="Gradient-norm clip (0 = off).")
 @click.option("--batch-tokens", type=click.IntRange(min=16), default=TrainOptions.batch_tokens, show_default=True,
               help="Tokens per micro-batch (per process): the packed context tokens of its sequences plus their "
                    "block tokens (anchors x block size).")
-@click.option("--grad-accum", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--grad-accum", type=click.IntRange(min=1), default=TrainOptions.grad_accum, show_default=True,
               help="Micro-batches per optimizer step (per process).")
 @click.option("--anchor-density", type=click.FloatRange(0, 1, min_open=True), default=TrainOptions.anchor_density,
               show_default="1/6",
@@ -79,14 +81,16 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
               help="Fraction in the test split, disjoint from validation and training: the drafter in export_best/ "
                    "is evaluated on all of it once, at the end (RUN/test_results.json); `dflash eval --data "
                    "heldout` takes its prompts from it.")
-@click.option("--eval-every", type=click.IntRange(min=0), default=200, show_default=True,
+@click.option("--eval-every", type=click.IntRange(min=0), default=TrainOptions.eval_every, show_default=True,
               help="Evaluate on the validation split every N steps (0 = only at the end).")
 @click.option("--eval-sequences", type=click.IntRange(min=1), default=None,
               help="Validation sequences per evaluation (the same ones each time). Default: the whole split; cap it "
                    "on large caches, where each evaluation walks every sequence.")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=500, show_default=True,
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=TrainOptions.checkpoint_every,
+              show_default=True,
               help="Save a resumable checkpoint every N steps (0 = only at the end).")
-@click.option("--keep-checkpoints", type=click.IntRange(min=0), default=3, show_default=True,
+@click.option("--keep-checkpoints", type=click.IntRange(min=0), default=TrainOptions.keep_checkpoints,
+              show_default=True,
               help="Keep the newest N checkpoints, delete older ones (0 = keep all).")
 @click.option("--resume", is_flag=True, help="Continue exactly from the latest checkpoint in --out.")
 @click.option("--overwrite", is_flag=True,
@@ -100,18 +104,21 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
                    "shapes match) and the final norm from the target's: last (the default when given alone) = the "
                    "last --draft-layers target layers, first, or one target layer id per drafter layer. Needs a "
                    "cache extracted with --export-layers naming them. Which choice trains best is to be measured.")
-@click.option("--seed", type=int, default=0, show_default=True,
+@click.option("--seed", type=int, default=TrainOptions.seed, show_default=True,
               help="Seed of the split, the shuffles, the anchors and the initial weights.")
-@click.option("--attention", type=click.Choice(["auto", "flex", "sdpa", "eager"]), default="auto", show_default=True,
+@click.option("--attention", type=click.Choice(["auto", "flex", "sdpa", "eager"]), default=TrainOptions.attention,
+              show_default=True,
               help="auto = flex_attention on CUDA for drafters of hidden size >= 2048 (SDPA is faster below: "
                    "measured), SDPA with an explicit mask on CPU.")
 @click.option("--compile", "compile_", is_flag=True,
               help="torch.compile each drafter layer, in each training process (masks are built eagerly).")
 @click.option("--fsdp", is_flag=True,
               help="Shard the drafter with FSDP instead of DDP (GPUs only; eval and export gather the weights).")
-@click.option("--mixed-precision", type=click.Choice(["auto", "bf16", "no"]), default="auto", show_default=True,
+@click.option("--mixed-precision", type=click.Choice(["auto", "bf16", "no"]), default=TrainOptions.mixed_precision,
+              show_default=True,
               help="auto = bf16 on CUDA, float32 on CPU.")
-@click.option("--num-workers", type=click.IntRange(min=0), default=2, show_default=True, help="DataLoader workers.")
+@click.option("--num-workers", type=click.IntRange(min=0), default=TrainOptions.num_workers, show_default=True,
+              help="DataLoader workers.")
 @click.option("--memory-limit", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
               help="Memory a training step may use, in GiB (default: what the device has free when the run starts). "
                    "Micro-batches that would not fit are split and accumulated (same result); a sequence that "

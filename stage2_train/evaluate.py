@@ -15,8 +15,8 @@ Datasets: ``humaneval`` (164 HumanEval prompts, the prompt as the user message),
 MT-Bench questions), or a JSONL/JSON file whose records hold ``messages`` / ``conversations`` (role/content or
 ShareGPT from/value; the conversation up to the first assistant turn is the prompt) or a ``prompt`` string.
 ``heldout`` takes the test split of the training cache of the run the drafter was exported from (never trained on
-nor used to choose a checkpoint; runs made before the test split existed have only their validation split, which
-is then used and named in the report) - the cached prompt tokens up to the first response; for it the report adds
+nor used to choose a checkpoint; a run trained with --test-fraction 0 has only its validation split, which is then
+used and named in the report) - the cached prompt tokens up to the first response; for it the report adds
 the offline acceptance length of the same sequences over the same number of tokens (`datasets.heldout.offline`),
 so live and offline tau can be compared. Several may be given, comma-separated.
 
@@ -146,11 +146,11 @@ def heldout_prompts(draft_dir: Path, max_samples: int, max_new_tokens: int) -> t
     if run is None:
         raise UserError(f"--data {HELDOUT} needs a drafter exported by `dflash train` ({draft_dir} names no run "
                         "directory with its train_options.json); pass a run's export folder")
-    options = json.loads(run.options.read_text())
+    options = run.recorded_options("cache", "eval_fraction", "test_fraction", "seed")
     cache = Path(options["cache"])
     if not cache.is_dir():
         raise UserError(f"--data {HELDOUT}: the run's cache {cache} is gone")
-    test_fraction = float(options.get("test_fraction", 0.0))  # absent: a run made before the test split existed
+    test_fraction = float(options["test_fraction"])
     index = CacheIndex.from_cache(cache, float(options["eval_fraction"]), int(options["seed"]), test_fraction)
     split = "test" if test_fraction else "validation"
     prompts = []

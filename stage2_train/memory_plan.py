@@ -18,7 +18,6 @@ it errs on the high side; the planned and measured peaks of every run are logged
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -205,16 +204,6 @@ class MemoryPlan:
             return None
         base = int(step_bytes(self.shape, 0, 0))
         return replace(self, budget_bytes=base + (min(self.budget_bytes, max(several)) - base) // 2)
-
-
-# Tests only: `dflash train` with this variable set to N raises a fake out-of-memory error in the step of every
-# micro-batch that packs more than N sequences (after its backward), so the retry is tested on any machine.
-FAKE_OOM_SEQUENCES_ENV = "DFLASH_FAKE_OOM_SEQUENCES"
-
-
-def fake_oom_sequences() -> int | None:
-    value = os.environ.get(FAKE_OOM_SEQUENCES_ENV)
-    return int(value) if value else None
 
 
 def make_plan(shape: DrafterShape, largest: tuple[int, int], longest: tuple[int, int], limit_bytes: int,

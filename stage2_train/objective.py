@@ -108,7 +108,7 @@ def make_objective(loss: str, kl_weight: float = DEFAULT_KL_WEIGHT) -> Objective
 
 def check_cache_for(name: str, manifest: dict[str, Any], cache: Path | str) -> None:
     """Refuse `--loss name` on a cache without what it needs (the target's top-k for kl and mix), in one line."""
-    if name in NEEDS_TARGET_TOPK and not manifest["identity"].get("target_topk"):
+    if name in NEEDS_TARGET_TOPK and not manifest["identity"]["target_topk"]:
         raise UserError(f"--loss {name} distils the target's top-k next-token distribution, which the cache {cache} "
                         "does not hold: re-extract it with its options plus --store-target-topk K (`dflash extract "
                         "... --store-target-topk 32`), or train with --loss ce")

@@ -23,7 +23,7 @@ DEFAULT_SELECTOR_MISSING = "inject"  # --selector-missing: the true token put am
 @dataclass
 class TrainOptions:
     cache: Path
-    out: Path
+    out: Path = Path("dflash_run")
     epochs: int = 1
     max_steps: int | None = None
     draft_layers: int | None = None

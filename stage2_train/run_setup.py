@@ -27,7 +27,7 @@ from dflash.stage2_train.draft_config import DFLASH2_DEFAULTS, DFlashConfig, con
 from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch, rank_plan
 from dflash.stage2_train.modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from dflash.stage2_train.loss import default_gamma, position_weights
-from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, fake_oom_sequences, in_use_bytes,
+from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, in_use_bytes,
                                              limit_from_option, make_plan, step_bytes)
 from dflash.stage2_train.objective import NEEDS_TARGET_TOPK, Objective, check_cache_for, make_objective
 from dflash.stage2_train.options import TrainOptions
@@ -81,8 +81,6 @@ class TrainingRun:
     total_steps: int
     memory: MemoryPlan | None = None  # how micro-batches are split to fit the device (`plan_memory`)
     out_of_memory_retries: int = 0  # steps that ran out of memory all the same and were retried smaller
-    # Tests only: a micro-batch of more sequences than this raises a fake out-of-memory error (FAKE_OOM_SEQUENCES_ENV)
-    fake_oom_sequences: int | None = field(default_factory=fake_oom_sequences)
     state: TrainState = field(default_factory=TrainState)
     target_init: dict[str, Any] | None = None  # what --init-from-target copied (`target_init.init_from_target`)
     best_tau: float = -math.inf  # the best validation walk tau after step 0 (export_best/)
@@ -245,22 +243,15 @@ def claim_run_dir(options: TrainOptions, files: RunFiles) -> Any:
 
 
 def keep_recorded_split(options: TrainOptions, files: RunFiles) -> None:
-    """--resume: the cache is split as when the run started. A run started before dflash held out a test split
-    recorded no test fraction and had none (its held-out samples are its validation split): it resumes without one.
-    Other split flags than the run's are refused."""
+    """--resume: the cache is split as when the run started; other split flags than the run's are refused."""
     if not files.options.is_file():
         return
-    record = json.loads(files.options.read_text())
-    if "test_fraction" not in record:
-        if options.test_fraction:
-            log.info("--resume: this run started before dflash held out a test split; it goes on without one "
-                     "(--test-fraction 0), so its training split stays as it was")
-        options.test_fraction = 0.0
+    record = files.recorded_options("eval_fraction", "test_fraction", "seed")
     given = {"--eval-fraction": options.eval_fraction, "--test-fraction": options.test_fraction, "--seed": options.seed}
-    made = {"--eval-fraction": record.get("eval_fraction"), "--test-fraction": record.get("test_fraction", 0.0),
-            "--seed": record.get("seed")}
+    made = {"--eval-fraction": record["eval_fraction"], "--test-fraction": record["test_fraction"],
+            "--seed": record["seed"]}
     differences = [f"{flag}: the run has {made[flag]}, this command gives {value}" for flag, value in given.items()
-                   if made[flag] is not None and float(made[flag]) != float(value)]
+                   if float(made[flag]) != float(value)]
     if differences:
         raise UserError(f"--resume: the run in {files.root} split its cache otherwise:\n  " + "\n  ".join(differences)
                         + "\nresume with the flags it was started with")
@@ -340,13 +331,6 @@ def config_differences(config: DFlashConfig, before: dict[str, Any], what: str) 
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "num_hidden_layers", "vocab_size", "block_size", "num_target_layers", "dflash_config", "layer_types")
     before = {**before, "block_size": (before.get("dflash_config") or {}).get("block_size", before.get("block_size"))}
-    # Drafters exported before dflash recorded the target's embedding scale and model type trained with scale 1 and
-    # say nothing of the type: they match a config that records scale 1 (and any type).
-    recorded = dict(before.get("dflash_config") or {})
-    recorded.setdefault("embed_scale", 1.0)
-    if "target_model_type" not in recorded and "target_model_type" in now.get("dflash_config", {}):
-        recorded["target_model_type"] = now["dflash_config"]["target_model_type"]
-    before = {**before, "dflash_config": recorded}
     return [f"{key}: {what} has {before.get(key)!r}, this cache and these flags give {now.get(key)!r}"
             for key in keys if before.get(key) != now.get(key)]
 

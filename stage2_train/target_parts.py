@@ -55,18 +55,17 @@ def load_target_parts(cache_dir: Path) -> TargetParts:
         raise cf.CacheError(f"{folder} has no {cf.EMBEDDINGS_FILE}: the cache is incomplete; rerun `dflash extract`")
     tensors = load_file(str(path))
     config = json.loads((folder / "config.json").read_text())
-    extra = folder / "dflash_target.json"
-    record = json.loads(extra.read_text()) if extra.is_file() else {}
+    record = cf.read_target_record(cache_dir)
     text_config = config.get("text_config", config)
-    scale = float(record.get("embed_scale", 1.0))
+    scale = float(record["embed_scale"])
     return TargetParts(
         config=text_config,
         embed_tokens=scaled_embedding(tensors["embed_tokens.weight"], scale),
         lm_head=tensors["lm_head.weight"],
         tokenizer_dir=folder,
-        stop_token_ids=list(record.get("stop_token_ids", [])),
+        stop_token_ids=list(record["stop_token_ids"]),
         embed_scale=scale,
-        model_type=record.get("model_type", text_config.get("model_type")),
+        model_type=record["model_type"],
     )
 
 

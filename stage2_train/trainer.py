@@ -29,7 +29,7 @@ from dflash.stage2_train.eval_set import eval_sequences
 from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.export import export_draft, load_draft
 from dflash.stage2_train.loss import selector_loss, weight_sum
-from dflash.stage2_train.memory_plan import FAKE_OOM_SEQUENCES_ENV, GIB, measured_peak_bytes
+from dflash.stage2_train.memory_plan import GIB, measured_peak_bytes
 from dflash.stage2_train.objective import MicroBatch
 from dflash.stage2_train.packed_batches import (packed_block_labels, packed_block_topk, packed_layout, sequence_blocks,
                                                 split_packed_batch)
@@ -248,9 +248,6 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[MicroBatch]
         correct += stats["correct_by_position"].float()
         counted += stats["count_by_position"].float()
         block_tokens += int(micro.layout.block_valid.sum()) * options.block_size
-        if run.fake_oom_sequences is not None and micro.sequences > run.fake_oom_sequences:
-            raise torch.OutOfMemoryError(f"fake out-of-memory error ({FAKE_OOM_SEQUENCES_ENV}="
-                                         f"{run.fake_oom_sequences}, {micro.sequences} sequences)")
     return step_loss, terms, counts, correct, counted, block_tokens
 
 

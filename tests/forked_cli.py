@@ -9,7 +9,8 @@ take ~3 s of CPU per command, and the suite runs the CLI over a hundred times (d
 The server is a child of the test process (`python -m tests.forked_cli`), so it never inherits the test process's
 thread pools: it imports, runs nothing, and forks one command at a time. A command whose environment changes what
 libraries read when imported (HF_*, TRANSFORMERS_*, torch and thread variables) runs in a fresh interpreter instead
-(`needs_fresh_interpreter`).
+(`needs_fresh_interpreter`). A command run with faults (`tests/faults.py`) installs them in the forked child; the
+processes it spawns get them from the PYTHONPATH the faults set.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH"
 
 
 def needs_fresh_interpreter(overrides: dict[str, str]) -> bool:
-    return any(key.upper().startswith(IMPORT_TIME_PREFIXES) and key != "PYTHONUNBUFFERED" for key in overrides)
+    from tests.faults import fault_env
+
+    fault_path = fault_env()["PYTHONPATH"]  # read at start-up only by the processes a command spawns
+    return any(key.upper().startswith(IMPORT_TIME_PREFIXES) and key != "PYTHONUNBUFFERED"
+               and not (key == "PYTHONPATH" and value == fault_path) for key, value in overrides.items())
 
 
 class ForkServer:
@@ -80,6 +85,9 @@ def _run_command(request: dict[str, Any]) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     code = 0
     try:
+        from tests.faults import install_from_environment
+
+        install_from_environment()
         sys.argv = ["-m", *request["args"]]  # runpy puts the module's path first, as `python -m` does
         runpy.run_module("dflash.shared.cli", run_name="__main__", alter_sys=True)
     except SystemExit as stop:

@@ -168,7 +168,8 @@ def _fork_workers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_end_to_end(family: str, workspace: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dflash.stage1_extract.supervisor import ExtractOptions, run_extract
+    from dflash.stage1_extract.options import ExtractOptions
+    from dflash.stage1_extract.supervisor import run_extract
     from dflash.stage2_train.evaluate import run_eval
     from dflash.stage2_train.run_setup import TrainOptions
     from dflash.stage2_train.trainer import train
@@ -223,7 +224,8 @@ def test_a_model_without_a_causal_lm_class_is_refused(workspace: dict, tmp_path:
     from transformers import AutoConfig
 
     from dflash.shared.errors import UserError
-    from dflash.stage1_extract.supervisor import ExtractOptions, run_extract
+    from dflash.stage1_extract.options import ExtractOptions
+    from dflash.stage1_extract.supervisor import run_extract
 
     folder = tmp_path / "t5"
     AutoConfig.for_model("t5", d_model=64, num_layers=2).save_pretrained(folder)

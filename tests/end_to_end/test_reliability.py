@@ -89,6 +89,28 @@ def test_cache_from_a_future_format_version_is_refused(baseline_cache: Path, cha
         assert result.returncode == 2 and "upgrade dflash" in result.stderr, (args, result.stderr[-1500:])
 
 
+def test_a_version_1_cache_without_the_keys_added_since_reads_as_what_their_absence_meant(baseline_cache: Path,
+                                                                                          tmp_path: Path) -> None:
+    """Format version 1 gained the manifest's `options` and `identity.target_topk` and the target record's
+    `embed_scale` and `model_type` after its first caches were written; a cache without them reads (in
+    cache_format.py, the one place that knows) as: no options recorded, no top-k, an unscaled embedding, the
+    config's model type."""
+    cache = tmp_path / "cache"
+    (cache / cf.TARGET_DIR).mkdir(parents=True)
+    manifest = json.loads((baseline_cache / cf.MANIFEST_FILE).read_text())
+    assert manifest["format_version"] == cf.FORMAT_VERSION == 1
+    del manifest[cf.OPTIONS_KEY], manifest["identity"]["target_topk"]
+    (cache / cf.MANIFEST_FILE).write_text(json.dumps(manifest))
+    record = json.loads((baseline_cache / cf.TARGET_DIR / cf.TARGET_RECORD_FILE).read_text())
+    (cache / cf.TARGET_DIR / cf.TARGET_RECORD_FILE).write_text(json.dumps({"stop_token_ids": record["stop_token_ids"]}))
+    shutil.copy(baseline_cache / cf.TARGET_DIR / "config.json", cache / cf.TARGET_DIR / "config.json")
+    read = cf.read_manifest(cache)
+    assert read[cf.OPTIONS_KEY] is None and read["identity"]["target_topk"] is None
+    assert cf.TopKFormat.of_manifest(read) is None
+    assert cf.identity_mismatch(read["identity"], cf.read_manifest(baseline_cache)["identity"]) == []
+    assert cf.read_target_record(cache) == {**record, "embed_scale": 1.0} == cf.read_target_record(baseline_cache)
+
+
 # ------------------------------------------------------------------------------ randomized kill campaign
 
 

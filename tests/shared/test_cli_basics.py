@@ -73,3 +73,43 @@ def test_every_option_of_every_command_has_help_text() -> None:
                for param in dflash.get_command(context, name).params  # type: ignore[union-attr]
                if isinstance(param, click.Option) and not param.help]
     assert missing == []
+
+
+# Options a command has that its options dataclass does not hold (they are consumed by the command itself).
+COMMAND_ONLY_OPTIONS = {"train": {"local_copy", "processes"}, "extract": {"staging", "yes", "repair"}, "generate": set()}
+
+
+@pytest.mark.parametrize(("name", "options_class"), [
+    ("train", "dflash.stage2_train.options:TrainOptions"),
+    ("extract", "dflash.stage1_extract.options:ExtractOptions"),
+    ("generate", "dflash.stage1_extract.options:GenerateOptions"),
+])
+def test_command_defaults_are_those_of_the_options_module(name: str, options_class: str) -> None:
+    """Each option of the command defaults to its field's default in the options module (the one home of the
+    defaults): `dflash train --help` shows what a TrainOptions made in code gets."""
+    import dataclasses
+    import importlib
+    from pathlib import Path
+
+    import click
+
+    module, attribute = options_class.split(":")
+    fields = {field.name: field for field in dataclasses.fields(getattr(importlib.import_module(module), attribute))}
+    command = dflash.get_command(click.Context(dflash), name)
+    context = click.Context(command)  # type: ignore[arg-type]
+    compared = set()
+    for param in command.params:  # type: ignore[union-attr]
+        field_name = param.name.rstrip("_")  # type: ignore[union-attr]  # --compile is `compile_` in the command
+        if field_name in COMMAND_ONLY_OPTIONS[name]:
+            continue
+        assert field_name in fields, f"dflash {name} --{field_name}: no field of that name in {options_class}"
+        field = fields[field_name]
+        if field.default is dataclasses.MISSING:  # required: no default to compare
+            assert param.required, f"dflash {name} {param.opts[-1]} has a default, {options_class} has none"
+            continue
+        default = param.get_default(context)
+        if isinstance(field.default, Path):  # extract --out also takes s3:// URLs: a string on the command line
+            default = Path(default)
+        assert default == field.default, f"dflash {name} {param.opts[-1]}: {default!r} != {field.default!r}"
+        compared.add(field_name)
+    assert len(compared) >= 10

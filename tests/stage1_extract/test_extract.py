@@ -24,6 +24,7 @@ from dflash.shared.target_layers import LayerCapture, default_layer_ids
 from dflash.stage1_extract.worker import plan_batches
 from tests.cache_compare import assert_same_cache, read_cache_arrays
 from tests.conftest import EXTRACT_ARGS, REPO, run_dflash
+from tests.faults import OOM_TOKENS_ENV, fault_env
 
 
 # ------------------------------------------------------------------------------------------ pure functions
@@ -173,7 +174,7 @@ def test_fake_oom_halves_batches_and_gives_the_same_cache(baseline_cache: Path, 
                                                           tmp_path: Path) -> None:
     out = tmp_path / "cache"
     run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS,
-               env={"DFLASH_FAKE_OOM_TOKENS": "100"}, check=True)
+               env=fault_env(**{OOM_TOKENS_ENV: "100"}), check=True)
     assert_same_cache(baseline_cache, out, same_batches=False)  # the halved batches round differently in bf16
     shards = cf.read_manifest(out)["shards"].values()
     assert sum(s["oom_retries"] for s in shards) > 0
@@ -186,7 +187,7 @@ def test_a_sample_that_does_not_fit_alone_stops_with_the_flag_to_change(baseline
     memory back) finishes the same cache."""
     out = tmp_path / "cache"
     failed = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS,
-                        env={"DFLASH_FAKE_OOM_TOKENS": "64"})
+                        env=fault_env(**{OOM_TOKENS_ENV: "64"}))
     assert failed.returncode != 0
     lines = [line for line in failed.stderr.splitlines() if "FAILED" in line]
     assert len(lines) == 1, failed.stderr

@@ -19,8 +19,9 @@ from dflash.shared.target_loading import load_target_model, load_tokenizer, reso
 from dflash.stage1_extract.conversations import Conversation, chat_token_ids
 from dflash.stage1_extract.generate_run import read_finished, repair_part_file, sample_keys
 from dflash.stage1_extract.regenerate import FINISH_STOP, ConversationRegenerator, GenerateSettings
-from dflash.stage1_extract.worker import FAKE_OOM_ENV, SampleOutOfMemory
+from dflash.stage1_extract.worker import SampleOutOfMemory
 from tests.conftest import REPO, make_conversations, run_dflash
+from tests.faults import fail_generation_over
 
 GENERATE_ARGS = ("--max-samples", "10", "--max-new-tokens", "12", "--max-length", "160", "--chunk-size", "2",
                  "--batch-tokens", "600")
@@ -84,7 +85,7 @@ def test_fake_oom_halves_the_batches_and_gives_the_same_answers(smollm2_fp32: tu
     pairs = [(c.sample_id, c) for c in _conversations(4)]
     settings = GenerateSettings(max_new_tokens=6, max_length=512, batch_tokens=10_000)
     plain = ConversationRegenerator(model, tokenizer, stops, settings).regenerate(pairs)
-    monkeypatch.setenv(FAKE_OOM_ENV, "150")
+    fail_generation_over(150, monkeypatch.setattr)
     squeezed = ConversationRegenerator(model, tokenizer, stops, settings)
     assert squeezed.regenerate(pairs) == plain
     assert squeezed.oom_retries > 0
@@ -94,7 +95,7 @@ def test_a_conversation_that_does_not_fit_alone_names_the_flags(smollm2_fp32: tu
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     model, tokenizer, stops = smollm2_fp32
     pairs = [(c.sample_id, c) for c in _conversations(2)]
-    monkeypatch.setenv(FAKE_OOM_ENV, "8")
+    fail_generation_over(8, monkeypatch.setattr)
     regenerator = ConversationRegenerator(model, tokenizer, stops,
                                           GenerateSettings(max_new_tokens=6, max_length=512, batch_tokens=10_000))
     with pytest.raises(SampleOutOfMemory, match=r"does not fit in the memory of cpu even alone: lower --max-length "

@@ -21,6 +21,7 @@ from dflash.stage2_train.draft_config import DFlashConfig
 from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch
 from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY
 from tests.conftest import REPO, run_dflash
+from tests.faults import OOM_SEQUENCES_ENV, fault_env
 from tests.stage2_train.conftest import TRAIN_ARGS, final_losses
 
 
@@ -91,10 +92,8 @@ def test_a_step_out_of_memory_is_retried_smaller_to_the_same_losses_or_stops(tra
     every micro-batch of more than 1 sequence, so that half-accumulated gradients must be dropped) is retried from
     the same samples in smaller micro-batches: the same loss curve as the run that never ran out. When even single
     sequences run out (a fake limit of 0), the run stops with one line naming the flags, exit 2, no traceback."""
-    from dflash.stage2_train.memory_plan import FAKE_OOM_SEQUENCES_ENV
-
     common = ("train", "--cache", str(train_cache), *PLAN_ARGS)
-    retried = run_dflash(*common, "--out", str(tmp_path / "retried"), env={FAKE_OOM_SEQUENCES_ENV: "1"})
+    retried = run_dflash(*common, "--out", str(tmp_path / "retried"), env=fault_env(**{OOM_SEQUENCES_ENV: "1"}))
     assert retried.returncode == 0, retried.stderr[-3000:]
     assert "ran out of memory on cpu (fake out-of-memory error" in retried.stderr
     assert "retrying it in smaller micro-batches" in retried.stderr
@@ -105,7 +104,7 @@ def test_a_step_out_of_memory_is_retried_smaller_to_the_same_losses_or_stops(tra
     assert sorted(got) == sorted(expected) == [1, 2, 3]
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
-    stopped = run_dflash(*common, "--out", str(tmp_path / "stopped"), env={FAKE_OOM_SEQUENCES_ENV: "0"})
+    stopped = run_dflash(*common, "--out", str(tmp_path / "stopped"), env=fault_env(**{OOM_SEQUENCES_ENV: "0"}))
     assert stopped.returncode == 2, stopped.stderr[-3000:]
     line = stopped.stderr.strip().splitlines()[-1]
     assert line.startswith("dflash: error: training step 1 ran out of memory on cpu with one sequence per "
