@@ -195,6 +195,7 @@ class Supervisor:
         self.log_file = self.cache_dir / cf.LOG_FILE
         self.processes: list[mp.process.BaseProcess] = []
         self.started = time.time()
+        self.hold: cf.CacheHold  # taken when the run starts
 
     # ------------------------------------------------------------------------------------------ planning
 
@@ -287,11 +288,17 @@ class Supervisor:
                         + "\n  ".join(differences)
                         + "\nuse another --out, or pass --overwrite to discard the cache and extract again"
                     )
+                if not self.hold.take_alone():  # another run holds the cache (and maybe shards): delete nothing
+                    raise ExtractRefused(
+                        f"--overwrite: the cache {self.cache_dir} is in use by another running `dflash extract` "
+                        f"(see `dflash status --cache {self.cache_dir}`); nothing was deleted: wait for it to "
+                        "finish, or extract into another --out")
                 log.warning("--overwrite: discarding the existing cache (%s)", "; ".join(differences))
                 shutil.rmtree(self.cache_dir / cf.SHARDS_DIR, ignore_errors=True)
                 shutil.rmtree(self.cache_dir / cf.TARGET_DIR, ignore_errors=True)
             manifest = cf.new_manifest(identity, extra)
             cf.write_json_atomic(self.cache_dir / cf.MANIFEST_FILE, manifest)
+            self.hold.share()
             return manifest
 
     def _claim_shards(self, manifest: dict[str, Any], stack: ExitStack) -> list[int]:
@@ -335,6 +342,8 @@ class Supervisor:
         print(f"dflash extract: cache directory {self.cache_dir} (log: {self.log_file})", file=sys.stderr)
         log.info("dflash extract starting (pid %d): %s", os.getpid(), self.options)
         with ExitStack() as stack:
+            self.hold = cf.CacheHold(self.cache_dir)
+            stack.callback(self.hold.release)
             manifest, data, target, stops = self.prepare()
             shards = self._claim_shards(manifest, stack)
             if not shards:
