@@ -104,6 +104,25 @@ def repair_command(cache: Path | str) -> str:
     return f"dflash extract --repair --out {cache}"
 
 
+def unfinished_shards(manifest: dict[str, Any]) -> dict[str, list[int]]:
+    """The shards not done, by status (pending, running, failed), in order."""
+    unfinished: dict[str, list[int]] = {}
+    for key, entry in sorted(manifest["shards"].items(), key=lambda item: int(item[0])):
+        status = entry.get("status", SHARD_PENDING)
+        if status != SHARD_DONE:
+            unfinished.setdefault(status, []).append(int(key))
+    return unfinished
+
+
+def finish_advice(location: Path | str, unfinished: dict[str, list[int]]) -> str:
+    """How to finish a cache's unfinished shards (what `inspect` and `train` print)."""
+    counts = ", ".join(f"{len(shards)} {status} {shards}" for status, shards in sorted(unfinished.items()))
+    running = (f"; if an extract is still running into it, wait for it (`dflash status --cache {location}`)"
+               if SHARD_RUNNING in unfinished else "")
+    return (f"{sum(map(len, unfinished.values()))} shard(s) not finished ({counts}): finish them with "
+            f"`{repair_command(location)}` (or rerun the extract command that made it){running}")
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.zarr"
 

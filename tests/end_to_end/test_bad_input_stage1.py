@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 from dflash.shared import cache_format as cf
 from tests.cache_compare import assert_same_cache
 from tests.conftest import EXTRACT_ARGS, REPO, run_dflash
-from tests.end_to_end.test_bad_input_tour import tree_bytes
+from tests.end_to_end.test_bad_input_tour import TRAIN_ARGS, tree_bytes
 
 
 def refused_line(stderr: str, command: str) -> str:
@@ -70,3 +71,98 @@ def test_overwrite_while_another_extract_runs_deletes_nothing(baseline_cache: Pa
     assert_same_cache(cache, baseline_cache)
     verify = run_dflash("inspect", "--cache", str(cache), "--verify")
     assert verify.returncode == 0 and "verify: OK (3 shards re-read)" in verify.stdout, verify.stdout
+
+
+def test_generate_overwrite_while_another_generate_runs_deletes_nothing(chat_jsonl: Path, tmp_path: Path) -> None:
+    """`dflash generate --overwrite` takes the output's lock before it looks at (or discards) anything."""
+    from filelock import FileLock
+
+    out = tmp_path / "generated"
+    (out / "parts").mkdir(parents=True)
+    (out / "generate.json").write_text(json.dumps({"identity": {"max_length": 1}, "data_source": "x"}))
+    (out / "parts" / "worker-0.jsonl.part").write_text(json.dumps({"id": "conv-0", "skipped": "prompt_too_long"})
+                                                       + "\n")
+    before = tree_bytes(out)
+    with FileLock(str(out / ".generate.lock")):  # what a running `dflash generate` holds
+        result = run_dflash("generate", "--data", str(chat_jsonl), "--out", str(out), "--max-samples", "2",
+                            "--overwrite")
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "another `dflash generate` is writing to" in refused_line(result.stderr, "generate")
+    after = tree_bytes(out)
+    assert all(after[name] == digest for name, digest in before.items())
+
+
+# --------------------------------------------------------------------------------- inspect: unfinished, missing
+
+
+def set_shard_status(cache: Path, statuses: dict[int, str]) -> None:
+    """What an interrupted or failed extract leaves: these shards pending / failed, their stores gone."""
+    manifest = json.loads((cache / cf.MANIFEST_FILE).read_text())
+    for shard, status in statuses.items():
+        manifest["shards"][str(shard)] = {"status": status, **({"error": "RuntimeError: boom"}
+                                                                if status == cf.SHARD_FAILED else {})}
+        shutil.rmtree(cf.shard_path(cache, shard))
+    (cache / cf.MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def test_verify_counts_unfinished_shards_and_names_the_command_that_finishes_them(
+        baseline_cache: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(baseline_cache, cache)
+    set_shard_status(cache, {0: cf.SHARD_PENDING, 2: cf.SHARD_FAILED})
+    before = tree_bytes(cache)
+    result = run_dflash("inspect", "--cache", str(cache), "--verify")
+    assert result.returncode == 1, result.stdout
+    assert "verify: OK" not in result.stdout and "Traceback" not in result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("NOT FINISHED")]
+    assert lines == [f"NOT FINISHED: 2 shard(s) not finished (1 failed [2], 1 pending [0]): finish them with "
+                     f"`dflash extract --repair --out {cache}` (or rerun the extract command that made it)"]
+    assert tree_bytes(cache) == before
+    # Plain inspect describes it (exit 0) and says the same.
+    plain = run_dflash("inspect", "--cache", str(cache))
+    assert plain.returncode == 0 and "note: 2 shard(s) not finished" in plain.stdout
+    # The command it names finishes the cache: then it verifies and equals the uninterrupted extraction.
+    run_dflash("extract", "--repair", "--out", str(cache), check=True)
+    verify = run_dflash("inspect", "--cache", str(cache), "--verify")
+    assert verify.returncode == 0 and "verify: OK (3 shards re-read)" in verify.stdout, verify.stdout
+    assert_same_cache(cache, baseline_cache)
+
+
+def test_verify_of_a_cache_with_every_shard_pending_is_not_ok(baseline_cache: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(baseline_cache, cache)
+    set_shard_status(cache, {0: cf.SHARD_PENDING, 1: cf.SHARD_PENDING, 2: cf.SHARD_PENDING})
+    result = run_dflash("inspect", "--cache", str(cache), "--verify", "--json")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)["verify"]
+    assert report == {"ok": False, "problems": {}, "unfinished": {"pending": [0, 1, 2]}}
+
+
+def test_plain_inspect_reports_a_finished_shard_whose_store_metadata_is_gone(baseline_cache: Path,
+                                                                             tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(baseline_cache, cache)
+    (cf.shard_path(cache, 1) / "zarr.json").unlink()
+    shutil.rmtree(cf.shard_path(cache, 2))
+    before = tree_bytes(cache)
+    result = run_dflash("inspect", "--cache", str(cache))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
+    damaged = [line for line in result.stdout.splitlines() if line.startswith("DAMAGED")]
+    assert damaged == ["DAMAGED shard 1 (shard-00001.zarr): zarr.json missing",
+                       "DAMAGED shard 2 (shard-00002.zarr): store is missing"]
+    assert f"fix: dflash extract --repair --out {cache} (redoes shards [1, 2]" in result.stdout
+    assert tree_bytes(cache) == before
+    healthy = run_dflash("inspect", "--cache", str(baseline_cache))
+    assert healthy.returncode == 0 and "DAMAGED" not in healthy.stdout
+
+
+def test_training_on_a_half_extracted_cache_names_the_command_that_finishes_it(baseline_cache: Path,
+                                                                               tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(baseline_cache, cache)
+    set_shard_status(cache, {2: cf.SHARD_PENDING})
+    result = run_dflash("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--max-steps", "1",
+                        *TRAIN_ARGS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (f"training on the 2 finished shard(s) only; 1 shard(s) not finished (1 pending [2]): finish them with "
+            f"`dflash extract --repair --out {cache.resolve()}`") in result.stderr
