@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 from dflash.shared import cache_format as cf
 from tests.cache_compare import assert_same_cache
 from tests.conftest import EXTRACT_ARGS, REPO, run_dflash
-from tests.end_to_end.test_bad_input_tour import TRAIN_ARGS, tree_bytes
+from tests.end_to_end.test_bad_input_tour import TRAIN_ARGS, one_line_error, tree_bytes
 
 
 def refused_line(stderr: str, command: str) -> str:
@@ -166,3 +167,21 @@ def test_training_on_a_half_extracted_cache_names_the_command_that_finishes_it(b
     assert result.returncode == 0, result.stderr[-3000:]
     assert (f"training on the 2 finished shard(s) only; 1 shard(s) not finished (1 pending [2]): finish them with "
             f"`dflash extract --repair --out {cache.resolve()}`") in result.stderr
+
+
+# ------------------------------------------------------------------------------------------ first-day friction
+
+
+def test_missing_model_names_a_download_command_that_exists_here(chat_jsonl: Path, tmp_path: Path) -> None:
+    result = run_dflash("extract", "--model", "someorg/no-such-model", "--data", str(chat_jsonl), "--out",
+                        str(tmp_path / "cache"))
+    assert result.returncode == 2
+    line = one_line_error(result.stderr)
+    command = re.search(r"download it first, e\.g\. `([^`]+)`", line)
+    assert command is not None, line
+    program, *args = command[1].split()
+    assert args == ["download", "someorg/no-such-model"]
+    # The program is installed beside this Python (the environment dflash runs in), and knows that subcommand.
+    executable = Path(sys.executable).parent / program
+    assert executable.is_file(), f"{program} is not installed in {executable.parent}"
+    assert subprocess.run([str(executable), "download", "--help"], capture_output=True).returncode == 0
