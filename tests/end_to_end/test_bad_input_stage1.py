@@ -185,3 +185,54 @@ def test_missing_model_names_a_download_command_that_exists_here(chat_jsonl: Pat
     executable = Path(sys.executable).parent / program
     assert executable.is_file(), f"{program} is not installed in {executable.parent}"
     assert subprocess.run([str(executable), "download", "--help"], capture_output=True).returncode == 0
+
+
+# ---------------------------------------------------------------------- skipped files and samples, up front
+
+
+def test_a_data_folder_names_the_files_it_skips(chat_jsonl: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "more").mkdir(parents=True)
+    shutil.copy(chat_jsonl, data / "chats.jsonl")
+    (data / "README.txt").write_text("conversations from the support desk\n")
+    (data / "more" / "notes.md").write_text("# notes\n")
+    before = tree_bytes(data)
+    result = run_dflash("extract", "--data", str(data), "--out", str(tmp_path / "cache"), "--max-samples", "3",
+                        "--shards", "1", "--max-length", "96", "--batch-tokens", "256")
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "skipped 2 file(s) that are not data files" in warnings[0], result.stderr[-3000:]
+    assert "README.txt, more/notes.md" in warnings[0] and ".jsonl" in warnings[0]
+    assert tree_bytes(data) == before
+
+
+# First prompts of the test chats are 47 to 88 tokens (SmolLM2's template, its default system prompt included): with
+# these limits 6 of them do not fit, and the answers of the others are cut where the conversation reaches
+# --max-length (before the change, generate left no room for the template's 2 end-of-turn tokens there, and extract
+# with the same --max-length truncated those conversations).
+GENERATE_LIMITS = ("--max-length", "60", "--max-new-tokens", "12")
+
+
+def test_generate_says_up_front_what_it_skips_and_extract_with_its_max_length_truncates_nothing(
+        chat_jsonl: Path, tmp_path: Path) -> None:
+    out = tmp_path / "generated"
+    result = run_dflash("generate", "--data", str(chat_jsonl), "--out", str(out), *GENERATE_LIMITS,
+                        "--chunk-size", "16", "--batch-tokens", "2000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "generate.json").read_text())["summary"]
+    assert summary["skip_reasons"] == {"prompt_too_long": 6} and summary["conversations"] == 8
+    assert summary["finish_reasons"].get("length", 0) > 0
+    up_front = ("6 of 14 conversations are skipped (prompt_too_long): their first prompt has 71 to 88 tokens, and "
+                "--max-length 60 leaves room for prompts of at most 56")
+    assert up_front in result.stderr
+    log = (out / "generate.log").read_text()
+    assert log.index(up_front) < log.index("chunk 0 done"), "said only after answers were generated"
+    # No conversation ends in a turn that was not answered.
+    records = [json.loads(line) for line in (out / "conversations.jsonl").read_text().splitlines()]
+    assert all(record["messages"][-1]["role"] == "assistant" for record in records)
+
+    cache = tmp_path / "cache"
+    extract = run_dflash("extract", "--data", str(out / "conversations.jsonl"), "--out", str(cache), "--max-length",
+                         "60", "--shards", "1", "--batch-tokens", "512")
+    assert extract.returncode == 0, extract.stderr[-3000:]
+    assert "8 samples" in extract.stderr and " 0 truncated" in extract.stderr, extract.stderr[-2000:]
