@@ -486,8 +486,10 @@ class Supervisor:
             for reason, count in entry.get("skipped", {}).items():
                 skipped[reason] = skipped.get(reason, 0) + count
         truncated = sum(s.get("truncated", 0) for s in done)
+        cut = (f" (longer than --max-length {manifest['identity']['max_length']} as the chat template renders them: "
+               "cut there)" if truncated else "")
         message = (f"cache {self.cache_dir}: {len(done)}/{len(manifest['shards'])} shards done, {samples} samples, "
-                   f"{tokens} tokens, {truncated} truncated, skipped {skipped or 'none'}")
+                   f"{tokens} tokens, {truncated} truncated{cut}, skipped {skipped or 'none'}")
         log.info(message)
         print(message, file=sys.stderr)
         if samples == 0 and len(done) == len(manifest["shards"]):
