@@ -520,7 +520,8 @@ class Progress:
 
     Samples finish in lumps (a whole generate batch at its end), tokens arrive steadily. The ETA is estimated
     when samples finish (the pace so far) and counts down between those moments, instead of growing while a
-    long batch runs; before the first sample finishes it says what is being waited for."""
+    long batch runs (once it is overdue, it is the pace so far again); before the first token it says what is
+    being waited for."""
 
     def __init__(self, total_samples: int, desc: str = "extract") -> None:
         from tqdm import tqdm
@@ -553,7 +554,10 @@ class Progress:
         if self.estimate is None:
             return None
         eta, when = self.estimate
-        return max(0.0, eta - (time.time() - when))
+        left = eta - (time.time() - when)
+        if left > 0:
+            return left
+        return (self.total - self.samples) * (time.time() - self.started) / self.samples  # late: the pace so far
 
     def status(self) -> str:
         """tok/s and ETA; before any token: that the workers are loading the target and reading the first prompts."""

@@ -199,6 +199,9 @@ def test_progress_eta_counts_down_between_finished_samples() -> None:
     progress.estimate = (eta, when - 30)  # 30 s later, tokens still arriving, no sample finished
     progress.add(0, 200)
     assert progress.eta_s() == pytest.approx(70, abs=1)
+    progress.estimate = (eta, when - 150)  # overdue: the pace so far (10 samples in 150 s: 10 more take 150 s)
+    progress.started -= 50
+    assert progress.eta_s() == pytest.approx(150, abs=1)
     progress.close()
 
 
