@@ -185,6 +185,29 @@ def verify_cache(cache_dir: Path) -> dict[int, list[str]]:
     return problems
 
 
+def missing_stores(cache_dir: Path, manifest: dict[str, Any]) -> dict[int, str]:
+    """Finished shards of a local cache whose store is gone, or its group metadata (zarr.json) or an array's: what
+    is missing, by shard (a cheap look at the files; `--verify` reads them). Empty for the mirror of a bucket."""
+    from dflash.shared.object_store import is_mirror
+
+    if is_mirror(cache_dir):
+        return {}
+    missing = {}
+    for key, entry in manifest["shards"].items():
+        store = cf.shard_path(cache_dir, int(key))
+        if entry.get("status") != cf.SHARD_DONE:
+            continue
+        if not store.is_dir():
+            missing[int(key)] = "store is missing"
+            continue
+        gone = [str(path.relative_to(store)) for path in [store / "zarr.json"] + [
+            store / name / "zarr.json" for name in ("features", "input_ids", "loss_mask", "offsets")]
+            if not path.is_file()]
+        if gone:
+            missing[int(key)] = f"{', '.join(gone)} missing"
+    return dict(sorted(missing.items()))
+
+
 # ------------------------------------------------------------------------------------------------ commands
 
 
@@ -197,30 +220,36 @@ def verify_cache(cache_dir: Path) -> dict[int, list[str]]:
 def inspect_command(location: str, verify: bool, as_json: bool) -> None:
     """Describe a feature cache: samples, tokens, bytes per token, shards, skipped counts.
 
-    With --verify, exit code 1 when any shard is damaged; each problem names the shard and the command that
-    re-extracts it.
+    Exit code 1 when a finished shard's store (or its zarr.json) is missing; with --verify also when any shard is
+    damaged or not finished (pending, running, failed). Each problem names the shard and the command that fixes it.
     """
     from dflash.shared.object_store import resolve_cache
 
     cache_dir = resolve_cache(location)
     summary = cache_summary(cache_dir)
-    problems = verify_cache(cache_dir) if verify else {}
+    manifest = cf.read_manifest(cache_dir)
+    problems = verify_cache(cache_dir) if verify else {
+        shard: [found] for shard, found in missing_stores(cache_dir, manifest).items()}
+    unfinished = cf.unfinished_shards(manifest)
+    summary["problems"] = {str(k): v for k, v in problems.items()}
     if verify:
-        summary["verify"] = {"ok": not problems, "problems": {str(k): v for k, v in problems.items()}}
+        summary["verify"] = {"ok": not problems and not unfinished, "problems": summary["problems"],
+                             "unfinished": unfinished}
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
         _print_summary(summary)
-        if verify:
-            if problems:
-                for shard, found in problems.items():
-                    for problem in found:
-                        click.echo(f"DAMAGED shard {shard} ({cf.shard_name(shard)}): {problem}")
-                click.echo(f"fix: {cf.repair_command(location)} (redoes shards {sorted(problems)} with the "
-                           "options recorded in the cache; healthy shards are not touched)")
-            else:
-                click.echo(f"verify: OK ({summary['shard_status'].get('done', 0)} shards re-read)")
-    sys.exit(1 if problems else 0)
+        for shard, found in problems.items():
+            for problem in found:
+                click.echo(f"DAMAGED shard {shard} ({cf.shard_name(shard)}): {problem}")
+        if problems:
+            click.echo(f"fix: {cf.repair_command(location)} (redoes shards {sorted(problems)} with the "
+                       "options recorded in the cache; healthy shards are not touched)")
+        if unfinished:
+            click.echo(f"{'NOT FINISHED' if verify else 'note'}: {cf.finish_advice(location, unfinished)}")
+        if verify and not problems and not unfinished:
+            click.echo(f"verify: OK ({summary['shard_status'].get('done', 0)} shards re-read)")
+    sys.exit(1 if problems or (verify and unfinished) else 0)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

@@ -10,7 +10,8 @@ use dflash). Layout of a cache directory:
                            files, embeddings.safetensors (embed_tokens.weight, lm_head.weight); nothing more
     shards/shard-00000.zarr  one Zarr v3 group per data shard, written by one process, published atomically
     status/                run.json (the supervising process) and worker-K.json heartbeats for `dflash status`
-    locks/                 one lock file per shard, held by the run that is extracting it
+    locks/                 one lock file per shard, held by the run that is extracting it; cache.lock, held shared
+                           by every extract run while it runs (`CacheHold`)
 
 A shard store holds samples back to back (no padding):
     features     [tokens, n_layers * hidden], stored as its codec says (shared/feature_codecs.py; zarr has no
@@ -59,6 +60,7 @@ TARGET_DIR = "target"
 SHARDS_DIR = "shards"
 STATUS_DIR = "status"
 LOCKS_DIR = "locks"
+CACHE_LOCK_FILE = "cache.lock"  # in locks/: see `CacheHold`
 LOG_FILE = "extract.log"
 EMBEDDINGS_FILE = "embeddings.safetensors"
 DECODER_LAYERS_FILE = "decoder_layers.safetensors"  # in target/, only with `dflash extract --export-layers`
@@ -101,6 +103,25 @@ def repair_command(cache: Path | str) -> str:
     """The command that redoes a cache's damaged shards, as every message about one names it (safe to run as
     printed: it reads the original options from the manifest and touches no healthy shard)."""
     return f"dflash extract --repair --out {cache}"
+
+
+def unfinished_shards(manifest: dict[str, Any]) -> dict[str, list[int]]:
+    """The shards not done, by status (pending, running, failed), in order."""
+    unfinished: dict[str, list[int]] = {}
+    for key, entry in sorted(manifest["shards"].items(), key=lambda item: int(item[0])):
+        status = entry.get("status", SHARD_PENDING)
+        if status != SHARD_DONE:
+            unfinished.setdefault(status, []).append(int(key))
+    return unfinished
+
+
+def finish_advice(location: Path | str, unfinished: dict[str, list[int]]) -> str:
+    """How to finish a cache's unfinished shards (what `inspect` and `train` print)."""
+    counts = ", ".join(f"{len(shards)} {status} {shards}" for status, shards in sorted(unfinished.items()))
+    running = (f"; if an extract is still running into it, wait for it (`dflash status --cache {location}`)"
+               if SHARD_RUNNING in unfinished else "")
+    return (f"{sum(map(len, unfinished.values()))} shard(s) not finished ({counts}): finish them with "
+            f"`{repair_command(location)}` (or rerun the extract command that made it){running}")
 
 
 def shard_name(index: int) -> str:
@@ -182,6 +203,42 @@ def identity_mismatch(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         for key in IDENTITY_KEYS
         if old.get(key) != new.get(key)
     ]
+
+
+class CacheHold:
+    """A running `dflash extract` holds its cache shared (flock LOCK_SH on locks/cache.lock) from start to end, so
+    every run that holds a shard holds the cache too; discarding the cache (`--overwrite` with other settings) needs
+    it alone (`take_alone`), so it never deletes what another run is writing. flock itself, not filelock: filelock's
+    locks are exclusive only. The hold ends with the process (the kernel drops the lock), so a killed run leaves
+    nothing stale behind."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        import fcntl
+
+        folder = cache_dir / LOCKS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(folder / CACHE_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_SH)  # waits only while another run discards the cache (seconds)
+
+    def take_alone(self) -> bool:
+        """Hold the cache alone if no other process holds it (True), else False (and hold it no longer: a
+        failed conversion drops the shared lock, and the caller refuses)."""
+        import fcntl
+
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def share(self) -> None:
+        """Back to a shared hold (after discarding)."""
+        import fcntl
+
+        fcntl.flock(self.fd, fcntl.LOCK_SH)
+
+    def release(self) -> None:
+        os.close(self.fd)  # closing the descriptor releases its flock
 
 
 # ------------------------------------------------------------------------------------- target top-k

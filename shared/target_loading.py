@@ -205,7 +205,7 @@ def local_model_files(load_path: str) -> Path:
     except Exception as error:  # noqa: BLE001 - any hub failure means "not available offline"
         raise ModelLoadError(
             f"model '{load_path}' is not a local folder and is not in the Hugging Face cache "
-            f"(dflash never downloads at run time): download it first, e.g. `huggingface-cli download {load_path}`, "
+            f"(dflash never downloads at run time): download it first, e.g. `hf download {load_path}`, "
             f"or pass a local folder or .gguf file ({type(error).__name__}: {error})"
         ) from error
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from dflash.shared.chat_records import KNOWN_COLUMNS, is_unicode, normalise_turns, turns_column
 from dflash.shared.errors import UserError
+from dflash.shared.logs import get_logger
 
 __all__ = [
     "Conversation",
@@ -45,6 +46,7 @@ PARQUET_SUFFIXES = (".parquet",)
 DATA_SUFFIXES = JSON_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 OVERLENGTH_MODES = ("truncate", "skip")
 MAX_SKIP_EXAMPLES = 5
+log = get_logger(__name__)
 FINGERPRINT_VERSION = b"dflash-conversations-v1"
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
@@ -129,12 +131,19 @@ def _open_source(data: str | None, split: str) -> _Source:
 
 
 def _directory_source(path: Path) -> _Source:
-    files = sorted(p for p in path.rglob("*") if p.is_file() and _has_data_suffix(p) and not p.name.startswith("."))
+    visible = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    files = [p for p in visible if _has_data_suffix(p)]
     if not files:
         raise DataError(
             f"directory {path} holds no data files ({', '.join(DATA_SUFFIXES)}); pass a file or another directory"
         )
     notes: list[str] = []
+    if others := [p for p in visible if not _has_data_suffix(p)]:
+        named = ", ".join(_printable(str(p.relative_to(path))) for p in others[:MAX_SKIP_EXAMPLES])
+        more = f" and {len(others) - MAX_SKIP_EXAMPLES} more" if len(others) > MAX_SKIP_EXAMPLES else ""
+        notes.append(f"skipped {len(others)} file(s) that are not data files ({', '.join(DATA_SUFFIXES)}): "
+                     f"{named}{more}")
+        log.warning("data directory %s: %s", _printable(str(path)), notes[-1])
 
     def records() -> Iterator[tuple[str, Any]]:
         for file in files:

@@ -34,7 +34,16 @@ from dflash.shared.processes import die_with_parent, stop_processes
 from dflash.shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids, target_content_hash
 from dflash.stage1_extract.conversations import Conversation, load_conversations, template_fingerprint
 from dflash.stage1_extract.options import GenerateOptions
-from dflash.stage1_extract.regenerate import ConversationRegenerator, GenerateSettings
+from dflash.stage1_extract.regenerate import (
+    MIN_ANSWER_TOKENS,
+    SKIP_NOTHING,
+    SKIP_TOO_LONG,
+    ConversationRegenerator,
+    GenerateSettings,
+    end_of_turn_tokens,
+    first_prompt_tokens,
+    prompt_fits,
+)
 from dflash.stage1_extract.supervisor import (
     EXIT_FAILED,
     EXIT_OK,
@@ -128,6 +137,7 @@ class GenerateRun:
         self.log_file = self.out_dir / LOG_FILE
         self.processes: list[mp.process.BaseProcess] = []
         self.started = time.time()
+        self.tokenizer: Any = None  # the target's, loaded by _prepare
 
     def run(self) -> int:
         from filelock import FileLock, Timeout
@@ -180,6 +190,7 @@ class GenerateRun:
                                        "static_cache": opts.static_cache})
         config = _WorkerConfig(self.out_dir, target.load_path, stop_token_ids(target.load_path, tokenizer), settings,
                                self.log_file, threads, opts.verbose)
+        self.tokenizer = tokenizer
         return sample_keys(data.conversations), data.conversations, config
 
     def _recorded_target_hash(self) -> str | None:
@@ -243,7 +254,8 @@ class GenerateRun:
             self.processes.append(process)
         previous = signal.signal(signal.SIGTERM, raise_interrupt)
         try:
-            return self._event_loop(len(chunks), len(pending), events)
+            skipped = self._announce_skipped([conversation for _, conversation in pending], settings)
+            return self._event_loop(len(chunks), len(pending) - skipped, events)
         except KeyboardInterrupt as interrupt:
             signum = interrupt_signal(interrupt)
             log.warning("interrupted (%s): stopping workers", signum.name)
@@ -256,6 +268,34 @@ class GenerateRun:
             tasks.close()
             events.close()
             signal.signal(signal.SIGTERM, previous)
+
+    def _announce_skipped(self, conversations: list[Conversation], settings: GenerateSettings) -> int:
+        """Say how many conversations the workers will skip, and why, before any answer is generated (while the
+        workers load the target); returns that number (the progress counts the others)."""
+        end_tokens = end_of_turn_tokens(self.tokenizer)
+        too_long: list[int] = []
+        nothing = 0
+        for number, conversation in enumerate(conversations):
+            if number % 1000 == 0:  # a heartbeat for `dflash status` while a large dataset is counted
+                self._write_run_status("running", {"samples_done": 0, "samples_total": len(conversations)})
+            tokens = first_prompt_tokens(self.tokenizer, conversation)
+            if tokens is None:
+                nothing += 1
+            elif not prompt_fits(settings, tokens, end_tokens):
+                too_long.append(tokens)
+        if too_long:
+            longest_fit = settings.max_length - end_tokens - MIN_ANSWER_TOKENS
+            log.warning("%d of %d conversations are skipped (%s): their first prompt has %s to %s tokens, and "
+                        "--max-length %d leaves room for prompts of at most %d (an answer of %d tokens or more and "
+                        "its %d end-of-turn tokens must fit too); raise --max-length to keep them", len(too_long),
+                        len(conversations), SKIP_TOO_LONG, f"{min(too_long):,}", f"{max(too_long):,}",
+                        settings.max_length, longest_fit, MIN_ANSWER_TOKENS, end_tokens)
+        if nothing:
+            log.warning("%d of %d conversations are skipped (%s): no assistant turn follows a prompt",
+                        nothing, len(conversations), SKIP_NOTHING)
+        if too_long or nothing:
+            log.info("generating answers for the other %d", len(conversations) - len(too_long) - nothing)
+        return len(too_long) + nothing
 
     def _event_loop(self, chunks: int, total: int, events: Any) -> int:
         progress = Progress(total, desc="generate")
@@ -306,13 +346,18 @@ class GenerateRun:
         for record in kept:
             reason = record["dflash"]["finish_reason"]
             reasons[reason] = reasons.get(reason, 0) + 1
+        skips: dict[str, int] = {}
+        for record in records:
+            if "skipped" in record:
+                skips[record["skipped"]] = skips.get(record["skipped"], 0) + 1
         tokens = sum(record["dflash"]["generated_tokens"] for record in kept)
-        summary = {"conversations": len(kept), "skipped": len(records) - len(kept), "generated_tokens": tokens,
-                   "finish_reasons": reasons}
+        summary = {"conversations": len(kept), "skipped": len(records) - len(kept), "skip_reasons": skips,
+                   "generated_tokens": tokens, "finish_reasons": reasons}
         settings = json.loads((self.out_dir / SETTINGS_FILE).read_text())
         cf.write_json_atomic(self.out_dir / SETTINGS_FILE, {**settings, "summary": summary})
         message = (f"generated {len(kept)} conversations ({tokens} new tokens; ends: {reasons}; skipped "
-                   f"{len(records) - len(kept)}) -> {path}\nnext: dflash extract --data {path}")
+                   f"{len(records) - len(kept)}{f' {skips}' if skips else ''}) -> {path}\n"
+                   f"next: dflash extract --data {path}")
         log.info(message)
 
     def _write_run_status(self, state: str, progress: dict[str, Any]) -> None:
@@ -333,9 +378,9 @@ def _worker_main(worker_id: int, device_name: str, config: _WorkerConfig, tasks:
     def heartbeat() -> None:  # `dflash status` reads it; written per batch and before the model loads
         cf.write_status(config.out_dir, f"worker-{worker_id}", {"pid": os.getpid(), "device": device_name, **done})
 
-    def report(conversations: int, tokens: int) -> None:
+    def report(conversations: int, tokens: int, skipped: int) -> None:
         events.put(("progress", worker_id, conversations, tokens))
-        done["samples"] += conversations
+        done["samples"] += conversations + skipped
         done["tokens"] += tokens
         heartbeat()
 

@@ -13,13 +13,19 @@ is otherwise bound by the host's per-step Python and kernel launches, not by the
 
 With `max_turns`, a conversation ends after that many regenerated answers. A turn that reaches its token
 limit without an end-of-turn token ends the conversation there: later user turns answer the original reply, not
-this one. A prompt that no longer fits `max_length` ends it too; a conversation
+this one. A prompt that no longer fits `max_length` ends it too (at its last answer); a conversation
 whose first prompt does not fit is skipped ("prompt_too_long").
+
+Lengths are counted as `dflash extract` will count them: a conversation is the chat template's rendering, where each
+answer is closed by the template's end-of-turn tokens (`end_of_turn_tokens`), so an answer may take at most
+max_length - prompt - end-of-turn tokens, and a conversation generated with --max-length N is not truncated by an
+extraction with --max-length N (up to the rare answer whose text encodes to other tokens than were generated).
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,6 +39,11 @@ from dflash.stage1_extract.worker import SampleOutOfMemory, plan_batches
 log = get_logger(__name__)
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CONTEXT = "stop", "length", "context_full"
+# Why a conversation has no regenerated answer: its first prompt leaves no room for MIN_ANSWER_TOKENS, or it has no
+# assistant turn after a prompt.
+SKIP_TOO_LONG, SKIP_NOTHING = "prompt_too_long", "no_assistant_turn"
+MIN_ANSWER_TOKENS = 2  # what extract needs to keep a sample: 2 supervised tokens (an answer and its end of turn)
+REPORT_EVERY_S = 1.0  # how often a batch being generated reports the tokens it has made so far
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,7 @@ class _Progress:
     generated_turns: int = 0
     generated_tokens: int = 0
     finish_reason: str = FINISH_STOP
+    skip_reason: str = SKIP_TOO_LONG
     done: bool = False
 
     def advance(self) -> None:
@@ -81,27 +93,94 @@ class _Progress:
 
     def record(self) -> dict[str, Any]:
         if self.generated_turns == 0:
-            return {"id": self.key, "skipped": "prompt_too_long"}
+            return {"id": self.key, "skipped": self.skip_reason}
+        # The conversation ends at its last answer: a user turn after it, whose answer was not generated (its prompt
+        # did not fit, or the data ends there), would hold no answer to learn and only lengthen the sample.
+        last_answer = max(i for i, message in enumerate(self.messages) if message["role"] == "assistant")
         return {
             "id": self.key,
-            "messages": self.messages,
+            "messages": self.messages[: last_answer + 1],
             "dflash": {"source_index": self.conversation.index, "source_id": self.conversation.sample_id,
                        "generated_turns": self.generated_turns, "generated_tokens": self.generated_tokens,
                        "finish_reason": self.finish_reason},
         }
 
 
+def end_of_turn_tokens(tokenizer: Any) -> int:
+    """Tokens the chat template puts after an answer's text (ChatML: `<|im_end|>` and a newline): the rendering of
+    a conversation with one answer, less its generation prompt and the answer's own tokens."""
+    prompt = [{"role": "user", "content": "Hello."}]
+    answer = "Hello! How can I help you today?"
+    whole = chat_token_ids(tokenizer, [*prompt, {"role": "assistant", "content": answer}], add_generation_prompt=False)
+    opened = chat_token_ids(tokenizer, prompt, add_generation_prompt=True)
+    return max(0, len(whole) - len(opened) - len(tokenizer.encode(answer, add_special_tokens=False)))
+
+
+def answer_budget(settings: GenerateSettings, prompt_tokens: int, end_tokens: int) -> int:
+    """New tokens an answer to a prompt of `prompt_tokens` may take: --max-new-tokens, or less so that the prompt,
+    the answer and its `end_tokens` fit --max-length. Below MIN_ANSWER_TOKENS the prompt does not fit."""
+    return min(settings.max_new_tokens, settings.max_length - prompt_tokens - end_tokens)
+
+
+def first_prompt_tokens(tokenizer: Any, conversation: Conversation) -> int | None:
+    """Tokens of the prompt of the first answer that is regenerated (None: the conversation has no answer to
+    regenerate, SKIP_NOTHING): with `prompt_fits`, what says before any generation which conversations are skipped."""
+    state = _Progress(conversation, conversation.sample_id)
+    state.advance()
+    return None if state.done else len(chat_token_ids(tokenizer, state.messages, add_generation_prompt=True))
+
+
+def prompt_fits(settings: GenerateSettings, prompt_tokens: int, end_tokens: int) -> bool:
+    """Whether a prompt leaves room for an answer of MIN_ANSWER_TOKENS (else SKIP_TOO_LONG, or FINISH_CONTEXT for
+    a later turn)."""
+    return answer_budget(settings, prompt_tokens, end_tokens) >= MIN_ANSWER_TOKENS
+
+
+class _TokenCounter:
+    """A transformers streamer (`generate` calls `put` with the prompt, then with each step's new token of every
+    row) that counts the answer tokens of a batch while it is generated and reports them about once a second, so
+    the progress moves during a long batch instead of only when it ends. A row's tokens count up to its budget
+    and through its first stop token, as `_generate` counts them afterwards."""
+
+    def __init__(self, budgets: list[int], stops: list[int], report: Callable[[int], None]) -> None:
+        self.budgets = torch.tensor(budgets)
+        self.stops = torch.tensor(stops)
+        self.finished = torch.zeros(len(budgets), dtype=torch.bool)
+        self.step = -1  # the first `put` is the prompt
+        self.counted = self.reported = 0
+        self.report = report
+        self.last_report = time.monotonic()
+
+    def put(self, value: torch.Tensor) -> None:
+        self.step += 1
+        if self.step == 0:
+            return
+        tokens = value.reshape(-1)[: len(self.budgets)]  # a static batch's filler rows come last
+        live = ~self.finished & (self.step <= self.budgets)
+        self.counted += int(live.sum())
+        self.finished |= torch.isin(tokens, self.stops)
+        if time.monotonic() - self.last_report >= REPORT_EVERY_S:
+            self.report(self.counted - self.reported)
+            self.reported, self.last_report = self.counted, time.monotonic()
+
+    def end(self) -> None:
+        pass
+
+
 class ConversationRegenerator:
-    """Holds the target and tokenizer; `regenerate` turns conversations into output records."""
+    """Holds the target and tokenizer; `regenerate` turns conversations into output records. `report(conversations,
+    tokens, skipped)` is told of finished conversations and generated tokens as they come (tokens also while a
+    batch is being generated), and of conversations skipped because their first prompt is too long."""
 
     def __init__(self, model: Any, tokenizer: Any, stop_token_ids: list[int], settings: GenerateSettings,
-                 report: Callable[[int, int], None] | None = None) -> None:
+                 report: Callable[[int, int, int], None] | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.stops = list(stop_token_ids) or [int(tokenizer.eos_token_id)]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
         self.settings = settings
-        self.report = report or (lambda conversations, tokens: None)
+        self.end_tokens = end_of_turn_tokens(tokenizer)
+        self.report = report or (lambda conversations, tokens, skipped: None)
         self.device = next(model.parameters()).device
         self.batch_tokens = settings.batch_tokens
         self.oom_retries = 0
@@ -112,14 +191,15 @@ class ConversationRegenerator:
         for state in states:
             state.advance()
             if state.done:  # nothing to regenerate (e.g. only an opening assistant turn)
-                self.report(1, 0)
+                state.skip_reason = SKIP_NOTHING
+                self.report(0, 0, 1)
         while waiting := [s for s in states if not s.done]:
             prompts = []
             for state in waiting:
                 ids = chat_token_ids(self.tokenizer, state.messages, add_generation_prompt=True)
-                if len(ids) >= self.settings.max_length - 1:
+                if not prompt_fits(self.settings, len(ids), self.end_tokens):
                     state.done, state.finish_reason = True, FINISH_CONTEXT
-                    self.report(1, 0)
+                    self.report(*((1, 0, 0) if state.generated_turns else (0, 0, 1)))
                 else:
                     prompts.append((state, ids))
             prompts.sort(key=lambda item: (-len(item[1]), item[0].conversation.index))
@@ -139,13 +219,16 @@ class ConversationRegenerator:
         return max(1, self.batch_tokens // self.settings.cache_len)
 
     def _budget(self, prompt: list[int]) -> int:
-        return min(self.settings.max_new_tokens, self.settings.max_length - len(prompt))
+        return answer_budget(self.settings, len(prompt), self.end_tokens)
 
     def _generate_with_backoff(self, batch: list[tuple[_Progress, list[int]]]) -> None:
         """Generate one batch; on out-of-memory halve it and retry both halves, instead of dying."""
+        counter = _TokenCounter([self._budget(ids) for _, ids in batch], self.stops,
+                                lambda tokens: self.report(0, tokens, 0))
         try:
-            answers = self._generate(batch)
+            answers = self._generate(batch, counter)
         except RuntimeError as error:  # torch.OutOfMemoryError is one
+            self.report(0, -counter.reported, 0)  # the tokens it reported are not kept
             if not is_out_of_memory(error):
                 raise
             if len(batch) == 1:
@@ -165,7 +248,7 @@ class ConversationRegenerator:
             self._generate_with_backoff(batch[:half])
             self._generate_with_backoff(batch[half:])
             return
-        finished = tokens = 0
+        finished, tokens = 0, -counter.reported  # the batch's tokens, less those reported while it ran
         for (state, _), (text, count, reason) in zip(batch, answers):
             state.messages.append({"role": "assistant", "content": text})
             state.next_index += 1
@@ -177,10 +260,11 @@ class ConversationRegenerator:
             else:
                 state.done, state.finish_reason = True, reason
             finished += state.done
-        self.report(finished, tokens)
+        self.report(finished, tokens, 0)
 
-    def _generate(self, batch: list[tuple[_Progress, list[int]]]) -> list[tuple[str, int, str]]:
-        """(text, generated tokens, finish reason) per row."""
+    def _generate(self, batch: list[tuple[_Progress, list[int]]], streamer: _TokenCounter | None = None
+                  ) -> list[tuple[str, int, str]]:
+        """(text, generated tokens, finish reason) per row; `streamer` counts the tokens while they are made."""
         from transformers import GenerationConfig
 
         width = max(len(ids) for _, ids in batch)
@@ -205,7 +289,7 @@ class ConversationRegenerator:
         if sampling:
             torch.manual_seed(_batch_seed(self.settings.seed, [state.key for state, _ in batch]))
         output = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                     generation_config=config)
+                                     generation_config=config, streamer=streamer)
         answers = []
         for row, budget in enumerate(budgets):
             generated = output[row, width:width + budget].tolist()

@@ -159,6 +159,7 @@ class Supervisor:
         self.log_file = self.cache_dir / cf.LOG_FILE
         self.processes: list[mp.process.BaseProcess] = []
         self.started = time.time()
+        self.hold: cf.CacheHold  # taken when the run starts
 
     # ------------------------------------------------------------------------------------------ planning
 
@@ -248,11 +249,17 @@ class Supervisor:
                         + "\n  ".join(differences)
                         + "\nuse another --out, or pass --overwrite to discard the cache and extract again"
                     )
+                if not self.hold.take_alone():  # another run holds the cache (and maybe shards): delete nothing
+                    raise ExtractRefused(
+                        f"--overwrite: the cache {self.cache_dir} is in use by another running `dflash extract` "
+                        f"(see `dflash status --cache {self.cache_dir}`); nothing was deleted: wait for it to "
+                        "finish, or extract into another --out")
                 log.warning("--overwrite: discarding the existing cache (%s)", "; ".join(differences))
                 shutil.rmtree(self.cache_dir / cf.SHARDS_DIR, ignore_errors=True)
                 shutil.rmtree(self.cache_dir / cf.TARGET_DIR, ignore_errors=True)
             manifest = cf.new_manifest(identity, extra)
             cf.write_json_atomic(self.cache_dir / cf.MANIFEST_FILE, manifest)
+            self.hold.share()
             return manifest
 
     def _claim_shards(self, manifest: dict[str, Any], stack: ExitStack) -> list[int]:
@@ -296,6 +303,8 @@ class Supervisor:
         print(f"dflash extract: cache directory {self.cache_dir} (log: {self.log_file})", file=sys.stderr)
         log.info("dflash extract starting (pid %d): %s", os.getpid(), self.options)
         with ExitStack() as stack:
+            self.hold = cf.CacheHold(self.cache_dir)
+            stack.callback(self.hold.release)
             manifest, data, target, stops = self.prepare()
             shards = self._claim_shards(manifest, stack)
             if not shards:
@@ -438,8 +447,10 @@ class Supervisor:
             for reason, count in entry.get("skipped", {}).items():
                 skipped[reason] = skipped.get(reason, 0) + count
         truncated = sum(s.get("truncated", 0) for s in done)
+        cut = (f" (longer than --max-length {manifest['identity']['max_length']} as the chat template renders them: "
+               "cut there)" if truncated else "")
         message = (f"cache {self.cache_dir}: {len(done)}/{len(manifest['shards'])} shards done, {samples} samples, "
-                   f"{tokens} tokens, {truncated} truncated, skipped {skipped or 'none'}")
+                   f"{tokens} tokens, {truncated} truncated{cut}, skipped {skipped or 'none'}")
         log.info(message)
         print(message, file=sys.stderr)
         if samples == 0 and len(done) == len(manifest["shards"]):
@@ -466,43 +477,66 @@ def empty_cache_cause(cache_dir: Path, skipped: dict[str, int], too_long: list[i
 
 
 class Progress:
-    """One progress bar over all workers (samples, tokens/s, ETA); plain log lines when stderr is not a terminal."""
+    """One progress bar over all workers (samples, tokens/s, ETA); plain log lines when stderr is not a terminal.
+
+    Samples finish in lumps (a whole generate batch at its end), tokens arrive steadily. The ETA is estimated
+    when samples finish (the pace so far) and counts down between those moments, instead of growing while a
+    long batch runs (once it is overdue, it is the pace so far again); before the first token it says what is
+    being waited for."""
 
     def __init__(self, total_samples: int, desc: str = "extract") -> None:
         from tqdm import tqdm
 
         self.interactive = sys.stderr.isatty()
         self.bar = tqdm(total=total_samples, unit="sample", dynamic_ncols=True, disable=not self.interactive,
-                        desc=desc)
+                        desc=desc, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}"
+                                              "{postfix}]")
         self.total = total_samples
         self.samples = 0
         self.tokens = 0
         self.started = time.time()
         self.last_log = self.started
+        self.estimate: tuple[float, float] | None = None  # (ETA in seconds, when it was estimated)
+        self.bar.set_postfix_str(self.status(), refresh=False)
 
     def add(self, samples: int, tokens: int) -> None:
         self.samples += samples
         self.tokens += tokens
+        if samples:
+            elapsed = max(1e-6, time.time() - self.started)
+            self.estimate = ((self.total - self.samples) * elapsed / self.samples, time.time())
         self.bar.update(samples)
-        self.bar.set_postfix_str(f"{self.tokens_per_s():,.0f} tok/s", refresh=False)
         self.tick()
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(1e-6, time.time() - self.started)
 
+    def eta_s(self) -> float | None:
+        if self.estimate is None:
+            return None
+        eta, when = self.estimate
+        left = eta - (time.time() - when)
+        if left > 0:
+            return left
+        return (self.total - self.samples) * (time.time() - self.started) / self.samples  # late: the pace so far
+
+    def status(self) -> str:
+        """tok/s and ETA; before any token: that the workers are loading the target and reading the first prompts."""
+        if self.tokens == 0 and self.samples == 0:
+            return "loading the target, first batch (prefill)"
+        return f"{self.tokens_per_s():,.0f} tok/s, ETA {_format_seconds(self.eta_s())}"
+
     def tick(self) -> None:
-        if not self.interactive and time.time() - self.last_log > 10:
+        if self.interactive:
+            self.bar.set_postfix_str(self.status())
+        elif time.time() - self.last_log > 10:
             self.last_log = time.time()
-            snap = self.snapshot()
-            log.info("progress: %d/%d samples, %d tokens, %.0f tok/s, ETA %s", self.samples, self.total, self.tokens,
-                     snap["tokens_per_s"], _format_seconds(snap["eta_s"]))
+            log.info("progress: %d/%d samples, %d tokens, %s", self.samples, self.total, self.tokens, self.status())
 
     def snapshot(self) -> dict[str, Any]:
         elapsed = max(1e-6, time.time() - self.started)
-        rate = self.samples / elapsed
-        eta = (self.total - self.samples) / rate if rate > 0 else None
         return {"samples_done": self.samples, "samples_total": self.total, "tokens_done": self.tokens,
-                "tokens_per_s": round(self.tokens / elapsed, 1), "eta_s": eta}
+                "tokens_per_s": round(self.tokens / elapsed, 1), "eta_s": self.eta_s()}
 
     def close(self) -> None:
         self.bar.close()

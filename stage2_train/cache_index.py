@@ -136,8 +136,8 @@ class CacheIndex:
             raise CacheError(f"{cache_dir} has no finished shard (statuses: "
                              f"{sorted({v.get('status') for v in entries.values()})}); run `dflash extract` first")
         if unfinished:
-            log.warning("%s: shards %s are not finished; training on the %d finished shard(s) only", cache_dir,
-                        list(unfinished), len(done))
+            log.warning("%s: training on the %d finished shard(s) only; %s", cache_dir, len(done),
+                        cf.finish_advice(cache_dir, cf.unfinished_shards(manifest)))
         parts: dict[str, list[np.ndarray]] = {k: [] for k in ("shards", "rows", "lengths", "candidates", "index")}
         dropped = dropped_tokens = 0
         for shard in done:

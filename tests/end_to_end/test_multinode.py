@@ -89,7 +89,7 @@ def test_two_machines_extract_disjoint_shards_into_one_cache(chat_jsonl: Path, b
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(result.stdout)
     assert summary["complete"] and summary["shard_status"] == {"done": 3}
-    assert summary["verify"] == {"ok": True, "problems": {}}
+    assert summary["verify"] == {"ok": True, "problems": {}, "unfinished": {}}
     assert_same_cache(baseline_cache, out)
 
 

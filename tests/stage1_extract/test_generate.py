@@ -18,7 +18,15 @@ from dflash.shared import cache_format as cf
 from dflash.shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids
 from dflash.stage1_extract.conversations import Conversation, chat_token_ids
 from dflash.stage1_extract.generate_run import read_finished, repair_part_file, sample_keys
-from dflash.stage1_extract.regenerate import FINISH_STOP, ConversationRegenerator, GenerateSettings
+from dflash.stage1_extract.regenerate import (
+    FINISH_CONTEXT,
+    FINISH_STOP,
+    MIN_ANSWER_TOKENS,
+    ConversationRegenerator,
+    GenerateSettings,
+    end_of_turn_tokens,
+)
+from dflash.stage1_extract.supervisor import Progress
 from dflash.stage1_extract.worker import SampleOutOfMemory
 from tests.conftest import REPO, make_conversations, run_dflash
 from tests.faults import fail_generation_over
@@ -138,6 +146,64 @@ def test_max_turns_ends_a_conversation_after_that_many_answers(smollm2_fp32: tup
         [record] = ConversationRegenerator(model, tokenizer, everything_stops, settings).regenerate(pairs)
         assert [m["role"] for m in record["messages"]] == roles
         assert record["dflash"]["generated_turns"] == len(roles) // 2
+
+
+def test_a_conversation_whose_next_prompt_does_not_fit_ends_at_its_last_answer(
+        smollm2_fp32: tuple[Any, Any, list[int]]) -> None:
+    model, tokenizer, _ = smollm2_fp32
+    everything_stops = list(range(model.config.vocab_size))  # every answer is one end-of-turn token
+    multi_turn = [c for c in _conversations(4) if sum(m["role"] == "assistant" for m in c.messages) == 2][0]
+    user, _, second_user, _ = (dict(m) for m in multi_turn.messages)
+    second_prompt = len(chat_token_ids(tokenizer, [user, {"role": "assistant", "content": ""}, second_user],
+                                       add_generation_prompt=True))
+    end_tokens = end_of_turn_tokens(tokenizer)
+    assert end_tokens == 2  # SmolLM2's ChatML: <|im_end|> and a newline
+    settings = GenerateSettings(max_new_tokens=4, max_length=second_prompt + end_tokens + MIN_ANSWER_TOKENS - 1)
+    [record] = ConversationRegenerator(model, tokenizer, everything_stops, settings).regenerate(
+        [(multi_turn.sample_id, multi_turn)])
+    assert record["dflash"]["finish_reason"] == FINISH_CONTEXT
+    assert [m["role"] for m in record["messages"]] == ["user", "assistant"]  # not the user turn left unanswered
+    # One token more and the second turn fits: the rule is exactly the one stated.
+    roomier = GenerateSettings(max_new_tokens=4, max_length=settings.max_length + 1)
+    [record] = ConversationRegenerator(model, tokenizer, everything_stops, roomier).regenerate(
+        [(multi_turn.sample_id, multi_turn)])
+    assert [m["role"] for m in record["messages"]] == ["user", "assistant", "user", "assistant"]
+
+
+def test_tokens_are_reported_while_a_batch_is_generated_and_add_up_to_the_answers(
+        smollm2_fp32: tuple[Any, Any, list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash.stage1_extract import regenerate
+
+    model, tokenizer, stops = smollm2_fp32
+    monkeypatch.setattr(regenerate, "REPORT_EVERY_S", 0.0)  # report at every decoding step
+    reports: list[tuple[int, int, int]] = []
+    conversations = _conversations(6)
+    settings = GenerateSettings(max_new_tokens=8, max_length=512, batch_tokens=10_000)
+    records = ConversationRegenerator(model, tokenizer, stops, settings,
+                                      lambda *counts: reports.append(counts)).regenerate(
+        [(c.sample_id, c) for c in conversations])
+    first_finished = next(i for i, (done, _, _) in enumerate(reports) if done)
+    assert first_finished > 0 and all(done == 0 and tokens > 0 for done, tokens, _ in reports[:first_finished])
+    assert sum(tokens for _, tokens, _ in reports) == sum(r["dflash"]["generated_tokens"] for r in records)
+    assert sum(done for done, _, _ in reports) == len(records)
+
+
+def test_progress_eta_counts_down_between_finished_samples() -> None:
+    progress = Progress(20, desc="generate")
+    assert progress.status() == "loading the target, first batch (prefill)" and progress.eta_s() is None
+    progress.add(0, 50)  # tokens of a batch in flight: no sample finished, no ETA to guess from yet
+    assert progress.eta_s() is None and progress.status().endswith("ETA ?")
+    progress.started -= 100  # 10 samples finished after 100 s: 10 more take about 100 s
+    progress.add(10, 50)
+    assert progress.eta_s() == pytest.approx(100, abs=1)
+    eta, when = progress.estimate
+    progress.estimate = (eta, when - 30)  # 30 s later, tokens still arriving, no sample finished
+    progress.add(0, 200)
+    assert progress.eta_s() == pytest.approx(70, abs=1)
+    progress.estimate = (eta, when - 150)  # overdue: the pace so far (10 samples in 150 s: 10 more take 150 s)
+    progress.started -= 50
+    assert progress.eta_s() == pytest.approx(150, abs=1)
+    progress.close()
 
 
 def test_sample_keys_are_unique_where_ids_repeat() -> None:
