@@ -21,6 +21,7 @@ from dflash.shared.feature_codecs import FeatureCodec, manifest_codec
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.output_dirs import refuse_foreign_folder
 from dflash.shared.run_files import BEST_RECORD_FILE, CONFIG_FILE, RunFiles
+from dflash.stage2_train.checkpoints import intact_checkpoint
 from dflash.stage2_train.data import (
     AnchorRule,
     CacheBatches,
@@ -452,7 +453,7 @@ def make_optimizer(run: TrainingRun) -> None:
 
 
 def resume(run: TrainingRun) -> None:
-    """--resume: refuse a run whose drafter has other sizes, then load its latest complete checkpoint (model,
+    """--resume: refuse a run whose drafter has other sizes, then load its newest intact checkpoint (model,
     optimizer, schedule, RNG, data position) and the best validation tau it kept."""
     path = run.files.draft_config
     if path.is_file():
@@ -469,7 +470,7 @@ def resume(run: TrainingRun) -> None:
                             + "\nresume with the cache it was started with, or train into a new --out")
     best = run.files.export_best / BEST_RECORD_FILE
     run.best_tau = float(json.loads(best.read_text())["tau_walk"]) if best.is_file() else -math.inf
-    latest = run.files.latest_checkpoint()
+    latest = intact_checkpoint(run.files, "--resume")
     if latest is None:
         log.info("--resume: no checkpoint in %s, starting from scratch", run.files.checkpoints)
         return
