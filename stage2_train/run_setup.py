@@ -194,6 +194,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
                         f"{options.grad_accum} micro-batches of {options.batch_tokens} tokens: lower --batch-tokens "
                         "or --grad-accum")
     run.total_steps = options.max_steps or sum(run.steps_in_epoch(e) for e in range(options.epochs))
+    say_oversized_sequences(run)
     make_optimizer(run)
     run.memory = plan_memory(run)
     if options.compile:
@@ -398,6 +399,19 @@ def init_from_export(model: DFlashDraftModel, config: DFlashConfig, manifest: di
     load_draft_weights(model, export_dir, backbone_only=grow)  # the config matched: the same shapes
     log.info("--init-from: starting from the weights of %s%s", export_dir,
              " (a DFlash drafter: the DFlash 2 parts start as the identity)" if grow else "")
+
+
+def say_oversized_sequences(run: TrainingRun) -> None:
+    """A --batch-tokens below the cost of some training sequences (its context plus its blocks): those form a
+    micro-batch alone, larger than asked; said once, with the numbers."""
+    train = run.index.is_train
+    costs = run.anchor_rule.cost(run.index.lengths[train], run.index.candidates[train])
+    over = int((costs > run.options.batch_tokens).sum())
+    if over:
+        every = "every micro-batch holds one sequence" if over == len(costs) else f"those {over} go one per micro-batch"
+        log.warning("--batch-tokens %d is below the cost of %d of the %d training sequences (context plus block "
+                    "tokens, up to %d): %s; raise --batch-tokens to pack several", run.options.batch_tokens, over,
+                    len(costs), int(costs.max()), every)
 
 
 def plan_memory(run: TrainingRun) -> MemoryPlan:
