@@ -79,9 +79,14 @@ def read_target_info(draft_dir: Path) -> dict[str, Any]:
 def load_draft_weights(model: DFlashDraftModel, export_dir: Path, backbone_only: bool = False) -> None:
     """Load an export's weights into `model` (of the export's config), strictly; with ``backbone_only``, a DFlash
     export into a DFlash 2 drafter, whose added parts keep their values."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    state = load_file(str(export_dir / WEIGHTS_FILE))
+    try:
+        state = load_file(str(export_dir / WEIGHTS_FILE))
+    except (SafetensorError, FileNotFoundError) as error:  # truncated, overwritten or gone
+        raise UserError(f"{export_dir / WEIGHTS_FILE} is damaged ({error}): export the drafter again (`dflash export "
+                        "--run RUN`) or copy it anew") from error
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if backbone_only:
         added = set(model.added_parameter_names())
