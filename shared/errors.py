@@ -54,7 +54,7 @@ def os_error_message(error: OSError) -> str | None:
     path = error.filename or "a file"
     go_on = HOW_TO_GO_ON["text"]
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        what = "no space left on the device" if error.errno == errno.ENOSPC else "disk quota exceeded"
+        what = "disk full (no space left on device)" if error.errno == errno.ENOSPC else "disk quota exceeded"
         return f"{what} while writing {path}: free space on that disk; {go_on}"
     if error.errno == errno.EFBIG:
         import resource
