@@ -104,28 +104,18 @@ def hidden_os_error(error: BaseException, folder: Path) -> OSError | None:
 
 
 def record_in_logs(line: str) -> None:
-    """Write the error line a command ends with into its log files (RUN/train.log, eval.log, ...) too; a log that
-    cannot be written (the very disk that is full) is passed over."""
+    """Write the error line a command ends with into its log files (RUN/train.log, eval.log, ...) too, not on the
+    console (the caller prints it there)."""
     logger = logging.getLogger("dflash")
     record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, line, None, None)
     for handler in logger.handlers:
         if isinstance(handler, logging.FileHandler):
-            try:
-                handler.acquire()
-                try:
-                    if handler.stream is None:
-                        handler.stream = handler._open()
-                    handler.stream.write(handler.format(record) + handler.terminator)
-                    handler.stream.flush()
-                finally:
-                    handler.release()
-            except (OSError, ValueError):
-                pass
+            handler.handle(record)
 
 
 def exit_with_error(line: str, what: str) -> None:
     """Record the traceback of `what` failed (debug) and the line in the logs, print `dflash: error: LINE`, exit 2."""
-    logging.raiseExceptions = False  # a log on the full disk stays silent: the line below is what the user reads
+    logging.raiseExceptions = False  # a log on the very disk that is full stays silent: the line below is the one
     logging.getLogger("dflash").debug(what, exc_info=True)  # the traceback: the log file only
     record_in_logs(f"error: {line}")
     print(f"dflash: error: {line}", file=sys.stderr)

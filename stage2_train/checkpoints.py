@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,32 +24,30 @@ from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig
 from dflash.stage2_train.export import export_draft
 
-if TYPE_CHECKING:
-    from dflash.stage2_train.run_setup import TrainingRun
-
 log = get_logger(__name__)
 
 
-def save_checkpoint(run: TrainingRun) -> None:
-    """Save the run's state at its current step (every process takes part): into a temporary folder, the record of
-    its files written last and checked, then renamed into place; a failed write leaves the previous checkpoints as
-    they were and the disk error as one line."""
-    path = run.files.checkpoint(run.state.step)
+def save_checkpoint(accelerator: Any, files: RunFiles, step: int, keep: int) -> None:
+    """Save a run's Accelerate state at `step` (every process takes part): into a temporary folder, the record of
+    its files written last and checked, then renamed into place, and all but the newest `keep` deleted
+    (--keep-checkpoints). A failed write leaves the previous checkpoints as they were and the disk error as one
+    line."""
+    path = files.checkpoint(step)
     partial = partial_checkpoint(path)
-    if run.is_main:
+    if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
-    run.accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()
     try:
-        run.accelerator.save_state(str(partial))
+        accelerator.save_state(str(partial))
     except Exception as error:  # noqa: BLE001 - torch and safetensors hide the OS error behind their own
         cause = error if isinstance(error, OSError) else hidden_os_error(error, partial)
         shutil.rmtree(partial, ignore_errors=True)  # the space it took, back
         if cause is None or cause is error:
             raise
         raise cause from error
-    run.accelerator.wait_for_everyone()
-    if run.is_main:
-        record = {"step": run.state.step, "files": file_digests(partial)}
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        record = {"step": step, "files": file_digests(partial)}
         (partial / CHECKPOINT_COMPLETE_FILE).write_text(json.dumps(record, indent=1) + "\n")
         damage = checkpoint_damage(partial, digests=False)
         if damage:
@@ -59,8 +57,8 @@ def save_checkpoint(run: TrainingRun) -> None:
             shutil.rmtree(path)
         os.replace(partial, path)
         log.info("checkpoint %s", path)
-        prune_checkpoints(run.files, run.options.keep_checkpoints)
-    run.accelerator.wait_for_everyone()  # every process sees the checkpoint (`has_checkpoint`)
+        prune_checkpoints(files, keep)
+    accelerator.wait_for_everyone()  # every process sees the checkpoint (`has_checkpoint`)
 
 
 def partial_checkpoint(path: Path) -> Path:
@@ -140,9 +138,11 @@ def prune_checkpoints(files: RunFiles, keep: int) -> list[Path]:
     return doomed
 
 
-def has_checkpoint(run: TrainingRun) -> bool:
-    """Whether the current step is already saved (by --checkpoint-every, or the checkpoint a resume started from)."""
-    return (run.files.checkpoint(run.state.step) / CHECKPOINT_COMPLETE_FILE).is_file()
+def has_checkpoint(files: RunFiles, step: int) -> bool:
+    """Whether `step` is already saved (by --checkpoint-every, or the checkpoint a resume started from), whole: a
+    damaged one a --resume passed over is saved again (sizes compared, which is cheap)."""
+    path = files.checkpoint(step)
+    return (path / CHECKPOINT_COMPLETE_FILE).is_file() and checkpoint_damage(path, digests=False) is None
 
 
 def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -96,7 +96,7 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
             last_eval = evaluate(run, metrics, run.whole_drafter(), feature_transform)
             evaluated_step = run.state.step
         if options.checkpoint_every and run.state.step % options.checkpoint_every == 0:
-            save_checkpoint(run)
+            save_checkpoint(run.accelerator, run.files, run.state.step, options.keep_checkpoints)
     if options.compile:
         from torch._dynamo.utils import counters
 
@@ -107,8 +107,8 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
              run.memory.in_use_bytes / GIB, "CUDA allocated" if run.device.type == "cuda" else "resident set",
              peak / GIB, f"; out of memory {run.out_of_memory_retries} time(s), each step retried in smaller "
              "micro-batches" if run.out_of_memory_retries else "")
-    if not has_checkpoint(run):
-        save_checkpoint(run)
+    if not has_checkpoint(run.files, run.state.step):
+        save_checkpoint(run.accelerator, run.files, run.state.step, options.keep_checkpoints)
     whole = run.whole_drafter()  # one gather under FSDP serves the final evaluation and the export
     if evaluated_step != run.state.step:
         last_eval = evaluate(run, metrics, whole, feature_transform)

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.shared.errors import UserError, hidden_os_error, os_error_message
+from dflash.shared.run_files import RunFiles
 from tests.conftest import REPO, assert_same_training, run_dflash
 from tests.end_to_end.test_bad_input_tour import TRAIN_ARGS, one_line_error, tree_bytes
 
@@ -53,7 +54,7 @@ def cut(path: Path, keep: int = 1000) -> None:
 
 
 def test_checkpoints_record_their_files_and_leave_no_temporary_folder(checkpointed_run: Path) -> None:
-    from dflash.stage2_train.checkpoints import checkpoint_damage, sha256_of
+    from dflash.stage2_train.checkpoints import checkpoint_damage, has_checkpoint, sha256_of
 
     folders = sorted(p.name for p in (checkpointed_run / "checkpoints").iterdir())
     assert folders == [step(1), step(2), step(3)]  # no .step-N.partial left behind
@@ -66,6 +67,7 @@ def test_checkpoints_record_their_files_and_leave_no_temporary_folder(checkpoint
         for file, written in record["files"].items():  # compared with hashlib directly, not the recorded values
             assert written == {"bytes": (checkpoint / file).stat().st_size, "sha256": sha256_of(checkpoint / file)}
         assert checkpoint_damage(checkpoint) is None
+    assert has_checkpoint(RunFiles(checkpointed_run), 3)
 
 
 def test_resume_passes_over_damaged_checkpoints_to_the_newest_intact_one(checkpointed_run: Path, baseline_cache: Path,
@@ -122,6 +124,10 @@ def test_a_run_whose_checkpoints_are_all_damaged_is_refused_with_the_list(checkp
     (run / "checkpoints" / step(2) / "optimizer.bin").unlink()
     cut(run / "checkpoints" / step(1) / "custom_checkpoint_0.pkl", keep=10)
     before = tree_bytes(run / "checkpoints")
+    from dflash.stage2_train.checkpoints import has_checkpoint
+
+    # a run that reaches step 3 again saves it anew (the damaged one does not count as saved)
+    assert not has_checkpoint(RunFiles(run), 3)
     for args in (("train", "--cache", str(baseline_cache), "--out", str(run), "--max-steps", "3", *STEP_ARGS,
                   "--resume"), ("export", "--run", str(run))):
         result = run_dflash(*args)
