@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
+from dflash.shared.errors import HOW_TO_GO_ON
+
 
 _OWNER = {"pid": os.getpid()}
 
@@ -49,11 +51,13 @@ def exit_interrupted(command: str, signum: int, how_to_go_on: str) -> NoReturn:
 
 @contextmanager
 def exit_on_interrupt(command: str, how_to_go_on: str) -> Iterator[None]:
-    """Run a command's body with SIGTERM raising KeyboardInterrupt; on either, `exit_interrupted`. A body that
+    """Run a command's body with SIGTERM raising KeyboardInterrupt; on either, `exit_interrupted` (a full disk or
+    another write error ends with the same `how_to_go_on`: `errors.os_error_message`). A body that
     handles the interrupt itself (a supervisor stopping its workers) returns 128 + the signal number as its exit
     code: the caller passes that to `exit_interrupted` too, so every command says it the same way."""
     main_thread = threading.current_thread() is threading.main_thread()
     _OWNER["pid"] = os.getpid()
+    HOW_TO_GO_ON["text"] = how_to_go_on  # a disk that fills up ends the command the same way
     previous = signal.signal(signal.SIGTERM, raise_interrupt) if main_thread else None
     try:
         yield

@@ -52,7 +52,7 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
               show_default=True,
               help="dflash2: where the true token is not among the candidates, inject it (in place of the last "
                    "candidate) or drop the position from the selector loss. The run logs the candidate recall.")
-@click.option("--lr", type=float, default=TrainOptions.lr, show_default=True,
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=TrainOptions.lr, show_default=True,
               help="Peak learning rate of AdamW (warm-up, then cosine to 0).")
 @click.option("--warmup", type=float, default=TrainOptions.warmup, show_default=True,
               help="Warm-up fraction of the steps.")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dflash.shared.errors import UserError
+from dflash.shared.errors import UserError, hidden_os_error
 from dflash.shared.run_files import CONFIG_FILE, TARGET_INFO_FILE, TARGET_INIT_FILE, WEIGHTS_FILE, RunFiles
 from dflash.stage2_train.draft_attention import AttnImplementation, training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig
@@ -32,6 +32,7 @@ def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any
     """Write config.json + model.safetensors (bf16), the target record (with the run directory it came from), the
     run's target_init.json (--init-from-target) if it has one, and any extra_files (name: text), atomically into
     out_dir."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
@@ -44,7 +45,12 @@ def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any
     config["auto_map"] = {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.{type(model).__name__}"}
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     state = {name: tensor.detach().to(torch.bfloat16).contiguous().cpu() for name, tensor in model.state_dict().items()}
-    save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    try:
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    except SafetensorError as error:  # a full disk or a file-size limit, as safetensors words it
+        cause = hidden_os_error(error, tmp / WEIGHTS_FILE)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise cause or error from error
     identity = manifest.get("identity", {})
     info = {
         "target_source": identity.get("target_source"),
@@ -79,9 +85,14 @@ def read_target_info(draft_dir: Path) -> dict[str, Any]:
 def load_draft_weights(model: DFlashDraftModel, export_dir: Path, backbone_only: bool = False) -> None:
     """Load an export's weights into `model` (of the export's config), strictly; with ``backbone_only``, a DFlash
     export into a DFlash 2 drafter, whose added parts keep their values."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    state = load_file(str(export_dir / WEIGHTS_FILE))
+    try:
+        state = load_file(str(export_dir / WEIGHTS_FILE))
+    except (SafetensorError, FileNotFoundError) as error:  # truncated, overwritten or gone
+        raise UserError(f"{export_dir / WEIGHTS_FILE} is damaged ({error}): export the drafter again (`dflash export "
+                        "--run RUN`) or copy it anew") from error
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if backbone_only:
         added = set(model.added_parameter_names())

@@ -20,7 +20,7 @@ import sys
 from multiprocessing.connection import wait
 from typing import Any
 
-from dflash.shared.errors import UserError, user_message
+from dflash.shared.errors import UserError, os_error_message, user_message
 from dflash.shared.logs import get_logger
 from dflash.shared.processes import die_with_parent, stop_processes
 from dflash.shared.run_files import RunFiles
@@ -102,6 +102,12 @@ def _child_main(options: TrainOptions, env: dict[str, str], reports: Any) -> Non
         log.debug("user error", exc_info=True)  # the traceback: this process's log only
         reports.put((rank, USER_ERROR, user_message(error)))
         sys.exit(2)
+    except OSError as error:
+        line = os_error_message(error)  # a full disk, a read-only --out, ...: the user's to fix, in one line
+        log.debug("training process %d failed", rank, exc_info=True)
+        crash = f"{type(error).__name__}: {error}".splitlines()[0]
+        reports.put((rank, USER_ERROR if line else CRASH, line or crash))
+        sys.exit(2 if line else 1)
     except Exception as error:  # noqa: BLE001 - reported to the launcher as one line, the traceback in the log
         log.debug("training process %d failed", rank, exc_info=True)  # the log only (the console with -v)
         reports.put((rank, CRASH, f"{type(error).__name__}: {error}".splitlines()[0]))

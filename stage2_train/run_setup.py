@@ -22,6 +22,7 @@ from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.output_dirs import refuse_foreign_folder
 from dflash.shared.run_files import BEST_RECORD_FILE, CONFIG_FILE, RunFiles
 from dflash.stage2_train.cache_index import CacheIndex
+from dflash.stage2_train.checkpoints import intact_checkpoint
 from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFLASH2_DEFAULTS, DFlashConfig, config_from_target
 from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch, rank_plan
@@ -188,6 +189,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
                         f"{options.grad_accum} micro-batches of {options.batch_tokens} tokens: lower --batch-tokens "
                         "or --grad-accum")
     run.total_steps = options.max_steps or sum(run.steps_in_epoch(e) for e in range(options.epochs))
+    say_oversized_sequences(run)
     make_optimizer(run)
     run.memory = plan_memory(run)
     if options.compile:
@@ -380,6 +382,19 @@ def init_from_export(model: DFlashDraftModel, config: DFlashConfig, manifest: di
              " (a DFlash drafter: the DFlash 2 parts start as the identity)" if grow else "")
 
 
+def say_oversized_sequences(run: TrainingRun) -> None:
+    """A --batch-tokens below the cost of some training sequences (its context plus its blocks): those form a
+    micro-batch alone, larger than asked; said once, with the numbers."""
+    train = run.index.is_train
+    costs = run.anchor_rule.cost(run.index.lengths[train], run.index.candidates[train])
+    over = int((costs > run.options.batch_tokens).sum())
+    if over:
+        every = "every micro-batch holds one sequence" if over == len(costs) else f"those {over} go one per micro-batch"
+        log.warning("--batch-tokens %d is below the cost of %d of the %d training sequences (context plus block "
+                    "tokens, up to %d): %s; raise --batch-tokens to pack several", run.options.batch_tokens, over,
+                    len(costs), int(costs.max()), every)
+
+
 def plan_memory(run: TrainingRun) -> MemoryPlan:
     """The memory plan (memory_plan.py) for this run's micro-batches: refuses a sequence that cannot fit alone, and
     says how much of the free memory the largest micro-batch of the first epoch's plan will take."""
@@ -433,7 +448,7 @@ def make_optimizer(run: TrainingRun) -> None:
 
 
 def resume(run: TrainingRun) -> None:
-    """--resume: refuse a run whose drafter has other sizes, then load its latest complete checkpoint (model,
+    """--resume: refuse a run whose drafter has other sizes, then load its newest intact checkpoint (model,
     optimizer, schedule, RNG, data position) and the best validation tau it kept."""
     path = run.files.draft_config
     if path.is_file():
@@ -450,7 +465,7 @@ def resume(run: TrainingRun) -> None:
                             + "\nresume with the cache it was started with, or train into a new --out")
     best = run.files.export_best / BEST_RECORD_FILE
     run.best_tau = float(json.loads(best.read_text())["tau_walk"]) if best.is_file() else -math.inf
-    latest = run.files.latest_checkpoint()
+    latest = intact_checkpoint(run.files, "--resume")
     if latest is None:
         log.info("--resume: no checkpoint in %s, starting from scratch", run.files.checkpoints)
         return

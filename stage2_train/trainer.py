@@ -12,6 +12,7 @@ the update is the same for any split of the global batch over processes and accu
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -42,6 +43,13 @@ log = get_logger(__name__)
 # (benchmarks/context_ablation.py zeroes them); None in normal runs.
 FeatureTransform = Callable[[Tensor], Tensor]
 
+# A training whose loss stays within STUCK_RELATIVE of the same value for STUCK_STEPS steps is stopped: the batches
+# differ from step to step, so a drafter that learns moves the loss by far more: measured on the tests' 30-step run
+# (tests/stage2_train/test_train.py, --lr 4e-3), every 10 steps spread over >= 0.23 of the loss and no two steps were
+# closer than 5e-3; `--lr 1e6` (the drafter predicts every token alike) spread over 3e-7 in 29 steps.
+STUCK_STEPS = 10
+STUCK_RELATIVE = 1e-5
+
 
 def train(options: TrainOptions, feature_transform: FeatureTransform | None = None) -> dict[str, Any]:
     """Train a drafter as `options` say; returns the last validation evaluation."""
@@ -57,9 +65,11 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
     started = window_start = time.time()
     window_tokens = 0
     steps = step_batches(run)
+    recent_losses: list[float] = []
     while run.state.step < run.total_steps:
         step_started = time.time()
         record = train_step(run, next(steps), feature_transform)
+        recent_losses = check_loss(run, recent_losses, record["loss"])
         run.state.position += options.grad_accum
         # step_s: this step alone (waiting for the loader, forward, backward, optimizer; no evaluation or
         # checkpoint): what benchmarks/recipe_bench.py times. elapsed_s: since the loop began, evaluations included.
@@ -80,7 +90,7 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
             last_eval = evaluate(run, metrics, run.whole_drafter(), feature_transform)
             evaluated_step = run.state.step
         if options.checkpoint_every and run.state.step % options.checkpoint_every == 0:
-            save_checkpoint(run)
+            save_checkpoint(run.accelerator, run.files, run.state.step, options.keep_checkpoints)
     if options.compile:
         from torch._dynamo.utils import counters
 
@@ -91,8 +101,8 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
              run.memory.in_use_bytes / GIB, "CUDA allocated" if run.device.type == "cuda" else "resident set",
              peak / GIB, f"; out of memory {run.out_of_memory_retries} time(s), each step retried in smaller "
              "micro-batches" if run.out_of_memory_retries else "")
-    if not has_checkpoint(run):
-        save_checkpoint(run)
+    if not has_checkpoint(run.files, run.state.step):
+        save_checkpoint(run.accelerator, run.files, run.state.step, options.keep_checkpoints)
     whole = run.whole_drafter()  # one gather under FSDP serves the final evaluation and the export
     if evaluated_step != run.state.step:
         last_eval = evaluate(run, metrics, whole, feature_transform)
@@ -107,6 +117,25 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
     if run.lock is not None:
         run.lock.release()
     return last_eval
+
+
+def check_loss(run: TrainingRun, recent: list[float], loss: float) -> list[float]:
+    """Stop a training that cannot get anywhere, in one line: a loss that is not finite (the weights diverged), or
+    one that has not moved for STUCK_STEPS steps. Returns the recent losses with this step's."""
+    step, lr = run.state.step, run.options.lr
+    if not math.isfinite(loss):
+        raise UserError(f"training stopped at step {step}: the loss is {loss} (not finite), the drafter's weights "
+                        f"diverged: train afresh (--overwrite) with a lower --lr (now {lr:g}); the checkpoints "
+                        "written so far are kept")
+    recent = [*recent[-(STUCK_STEPS - 1):], loss]
+    if len(recent) == STUCK_STEPS and max(recent) - min(recent) <= STUCK_RELATIVE * abs(loss):
+        uniform = math.log(run.config.vocab_size)
+        alike = " (the log of the vocabulary size: it predicts every token alike)" if abs(loss - uniform) < 1e-3 \
+            else ""
+        raise UserError(f"training stopped at step {step}: the loss has stayed at {loss:.4f}{alike} for "
+                        f"{STUCK_STEPS} steps of different batches, so the drafter is not learning: train afresh "
+                        f"(--overwrite) with a lower --lr (now {lr:g}); the checkpoints written so far are kept")
+    return recent
 
 
 def step_batches(run: TrainingRun) -> Iterator[list[dict[str, Any]]]:
