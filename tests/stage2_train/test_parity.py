@@ -256,7 +256,8 @@ def test_speedup_standard_error_against_direct_computations() -> None:
 
 
 def test_extract_records_rendering_and_export_carries_it(baseline_cache: Path, tmp_path: Path) -> None:
-    from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target
+    from dflash.stage2_train.draft_config import config_from_target
+    from dflash.stage2_train.modeling_dflash import DFlashDraftModel
     from dflash.stage2_train.export import export_draft
 
     manifest = read_manifest(baseline_cache)
@@ -273,7 +274,8 @@ def test_extract_records_rendering_and_export_carries_it(baseline_cache: Path, t
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An untrained drafter exported from a (stand-in) run whose test split recorded tau 4.0 +- 0.05 offline, with the
     embedded target's rendering as its cache's."""
-    from dflash.stage2_train.draft_model import DFlashDraftModel, config_from_target
+    from dflash.stage2_train.draft_config import config_from_target
+    from dflash.stage2_train.modeling_dflash import DFlashDraftModel
     from dflash.stage2_train.export import export_draft
 
     run = tmp_path_factory.mktemp("run")
