@@ -88,6 +88,10 @@ IDENTITY_KEYS = (
 
 # The manifest's record of the options of the run that made the cache (what `dflash extract --repair` reruns).
 OPTIONS_KEY = "options"
+# The manifest's record of how the cache's prompts were rendered (`chat_rendering.rendering_record`: chat template
+# sha256 and arguments, thinking mode, special and stop tokens, vocabulary, a probe prompt): what `dflash eval`
+# checks its own prompts against. Absent in caches made before it was recorded (unknown, not wrong).
+RENDERING_KEY = "rendering"
 # In a done shard's manifest entry that kept no sample: the token lengths of its conversations that were longer
 # than --max-length, sorted (what the error about an empty cache quotes).
 SKIPPED_LENGTHS_KEY = "skipped_lengths"

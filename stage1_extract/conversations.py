@@ -12,10 +12,8 @@ renders prefixes stably.
 
 from __future__ import annotations
 
-import functools
 import gzip
 import hashlib
-import inspect
 import json
 import re
 import zlib
@@ -27,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from dflash.shared.chat_records import KNOWN_COLUMNS, is_unicode, normalise_turns, turns_column
+from dflash.shared.chat_rendering import chat_token_ids, template_fingerprint
 from dflash.shared.errors import UserError
 from dflash.shared.logs import get_logger
 
@@ -35,6 +34,7 @@ __all__ = [
     "DataError",
     "LoadedConversations",
     "TokenizedSample",
+    "chat_token_ids",
     "load_conversations",
     "template_fingerprint",
     "tokenize_conversation",
@@ -492,26 +492,6 @@ def _check_usable(
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _accepts_sanitize(tokenizer_type: type) -> bool:
-    """Whether `apply_chat_template` can encode control tokens inside message text as plain text (5.x)."""
-    try:
-        return "sanitize_control_tokens" in inspect.signature(tokenizer_type.apply_chat_template).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-
-
-def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> list[int]:
-    """Token ids of the rendered chat; transformers 5.x returns a BatchEncoding unless return_dict=False."""
-    extra = {"sanitize_control_tokens": True} if _accepts_sanitize(type(tokenizer)) else {}
-    ids = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False, **extra
-    )
-    if isinstance(ids, Mapping):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def _starts_with(sequence: list[int], prefix: list[int]) -> bool:
     return len(sequence) >= len(prefix) and sequence[: len(prefix)] == prefix
 
@@ -593,14 +573,3 @@ def tokenize_conversation(
 def json_error_text(exc: json.JSONDecodeError) -> str:
     """'<what> at column N' (json's own messages may end in 'at' already: 'Unterminated string starting at')."""
     return f"{exc.msg} column {exc.colno}" if exc.msg.endswith(" at") else f"{exc.msg} at column {exc.colno}"
-
-
-def template_fingerprint(tokenizer: Any) -> str:
-    """sha256 of the chat template, vocabulary size (with added tokens) and special tokens map."""
-    payload = {
-        "chat_template": tokenizer.chat_template,
-        "vocab_size": len(tokenizer),
-        "special_tokens_map": tokenizer.special_tokens_map,
-    }
-    text = json.dumps(payload, sort_keys=True, ensure_ascii=False, default=str)
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shared import cache_format as cf
+from dflash.shared.chat_rendering import rendering_record
 from dflash.shared.errors import UserError
 from dflash.shared.interrupts import interrupt_signal, raise_interrupt
 from dflash.shared.logs import get_logger, setup_logging
@@ -207,8 +208,10 @@ class Supervisor:
             "num_shards": num_shards,
             "target_topk": topk.record() if topk is not None else None,
         }
-        manifest = self._open_manifest(identity, data, target, num_layers, existing)
         stops = stop_token_ids(target.load_path, tokenizer)
+        system_turns = sum(any(m["role"] == "system" for m in c.messages) for c in data.conversations)
+        rendering = rendering_record(tokenizer, {}, stops, system_turns / len(data.conversations))
+        manifest = self._open_manifest(identity, data, target, num_layers, existing, rendering)
         if not (self.cache_dir / cf.TARGET_DIR / cf.EMBEDDINGS_FILE).is_file():
             export_target_files(folder, tokenizer, self.cache_dir / cf.TARGET_DIR, stops,
                                 embed_scale=traits.embed_scale)
@@ -225,9 +228,11 @@ class Supervisor:
         return None
 
     def _open_manifest(self, identity: dict[str, Any], data: LoadedConversations, target: ResolvedTarget,
-                       num_layers: int, existing: dict[str, Any] | None) -> dict[str, Any]:
+                       num_layers: int, existing: dict[str, Any] | None, rendering: dict[str, Any],
+                       ) -> dict[str, Any]:
         extra = {
             cf.OPTIONS_KEY: self.options.recorded(list(identity["layer_ids"])),
+            cf.RENDERING_KEY: rendering,
             "target": {"name": target.display_name, "num_hidden_layers": num_layers},
             "data": {"source": data.source, "conversations": len(data.conversations), "skipped_on_load": data.skipped},
         }

@@ -233,12 +233,20 @@ def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> 
 @click.option("--baselines/--no-baselines", default=True, show_default=True,
               help="Also decode each prompt plainly and with prompt lookup (speedups, greedy equality check). "
                    "--no-baselines measures tau alone, in about a third of the time.")
+@click.option("--chat-template", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
+              metavar="FILE", help="Render the prompts with this Jinja chat template (as your serving engine does) "
+                                   "instead of the target's own.")
+@click.option("--chat-template-kwargs", default=None, metavar="JSON", callback=lambda _c, _p, v: _json_object(v),
+              help="Template arguments your serving passes, e.g. '{\"enable_thinking\": false}'. Eval says before "
+                   "decoding if the rendering differs from the one the drafter's training cache used.")
 def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_new_tokens: int, temperature: float,
                  model: str | None, threads: int, seed: int, allow_target_mismatch: bool, dtype: str,
-                 baselines: bool) -> None:
+                 baselines: bool, chat_template: Path | None, chat_template_kwargs: dict | None) -> None:
     """Speculative decoding with the target and an exported drafter: acceptance length tau, acceptance by block
     position, tokens/s and speedup against plain autoregressive decoding and prompt-lookup decoding, measured in
-    the same run. Greedy mode must reproduce the target's own greedy output."""
+    the same run. Greedy mode must reproduce the target's own greedy output. Before decoding it checks that the
+    prompts are rendered as the drafter's training cache was (chat template, thinking mode, special tokens) and
+    says what differs; it flags a live tau far below the drafter's offline tau on the cache's test split."""
     import torch
 
     from dflash.shared.logs import setup_logging
@@ -251,8 +259,24 @@ def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_ne
 
     with exit_on_interrupt("eval", "nothing is kept of an unfinished evaluation: rerun the same command"):
         result = run_eval(draft_dir, data, out, max_samples, max_new_tokens, temperature=temperature, model=model,
-                          seed=seed, allow_target_mismatch=allow_target_mismatch, dtype=dtype, baselines=baselines)
+                          seed=seed, allow_target_mismatch=allow_target_mismatch, dtype=dtype, baselines=baselines,
+                          chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
     click.echo((Path(out) / "eval.md").read_text() if (Path(out) / "eval.md").is_file() else json_dump(result))
+
+
+def _json_object(text: str | None) -> dict | None:
+    """--chat-template-kwargs: a JSON object, or a one-line usage error."""
+    import json
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise click.BadParameter(f"not valid JSON ({error.msg} at column {error.colno})") from error
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
 
 
 def json_dump(value: object) -> str:

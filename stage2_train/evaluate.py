@@ -9,7 +9,14 @@ are common, and a block of B tokens runs different kernels than one token: eithe
 choice). Such ties are counted in the report (`tie_divergences`) and only the common prefix is compared.
 
 Reported per dataset: tau (mean accepted + 1 over all speculative steps), P(accepted >= k) by block position,
-tokens/s of the three methods and the speedups over plain decoding. Written to OUT/eval.json, eval.md, eval.png.
+tokens/s of the three methods and the speedups over plain decoding with their standard errors over prompts, and per
+prompt its time and tokens/s by method. Written to OUT/eval.json, eval.md, eval.png.
+
+Train/serve parity (`parity.py`): before decoding, the prompts' rendering (chat template and its arguments, e.g.
+``--chat-template-kwargs '{"enable_thinking": false}'``, thinking mode, special and stop tokens, vocabulary) is compared
+with the training cache's and what differs is said in one line (`parity` in the report); after decoding, each
+dataset's live tau is set beside the drafter's offline tau on the cache's test split and flagged when far below it
+(`tau_gap`, rule `parity.TAU_GAP_RULE`).
 
 Datasets: ``humaneval`` (164 HumanEval prompts, the prompt as the user message), ``mtbench`` (first turn of the 80
 MT-Bench questions), or a JSONL/JSON file whose records hold ``messages`` / ``conversations`` (role/content or
@@ -39,12 +46,22 @@ from typing import Any
 import torch
 
 from dflash.shared.chat_records import prompt_messages
+from dflash.shared.chat_rendering import chat_token_ids, rendering_record, template_fingerprint
 from dflash.shared.errors import UserError
 from dflash.shared.logs import get_logger
 from dflash.shared.run_files import TARGET_INFO_FILE, run_of_export
 from dflash.shared.target_layers import embedding_scale
 from dflash.stage2_train.acceptance import json_safe, offline_acceptance, tau_standard_error
 from dflash.stage2_train.export import load_draft, read_target_info
+from dflash.stage2_train.parity import (
+    DIFFERS,
+    Finding,
+    compare_rendering,
+    parity_report,
+    system_turn_finding,
+    tau_gap,
+    trained_rendering,
+)
 from dflash.stage2_train.target_parts import scaled_embedding
 from dflash.stage2_train.modeling_dflash import SpecResult, speculative_generate
 from dflash.stage2_train.speculative import (
@@ -185,13 +202,21 @@ def load_prompts(name: str, max_samples: int) -> list[Prompt]:
     return prompts
 
 
-def tokenize_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    if isinstance(ids, Mapping):  # some tokenizers return a BatchEncoding regardless
-        ids = ids["input_ids"]
-    if ids and isinstance(ids[0], list):
-        ids = ids[0]
-    return [int(t) for t in ids]
+def tokenize_prompt(tokenizer: Any, messages: list[dict[str, str]],
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """The prompt's ids, rendered as extract rendered the cache's prompts (`chat_token_ids`)."""
+    return chat_token_ids(tokenizer, messages, add_generation_prompt=True, template_kwargs=template_kwargs)
+
+
+def load_chat_template(path: Path) -> str:
+    """The text of a --chat-template file (a Jinja chat template, as serving engines take one)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"--chat-template {path}: cannot read ({error})") from error
+    if not text.strip():
+        raise UserError(f"--chat-template {path} is empty: pass a Jinja chat template file")
+    return text
 
 
 # ---------------------------------------------------------------------------
@@ -364,6 +389,25 @@ def _rate(results: Sequence[SpecResult]) -> float:
     return sum(len(r.tokens) for r in results) / seconds if seconds > 0 else math.nan
 
 
+def speedup_standard_error(fast_tokens: Sequence[float], fast_seconds: Sequence[float],
+                           base_tokens: Sequence[float], base_seconds: Sequence[float]) -> float:
+    """The standard error over prompts of speedup = (sum fast_tokens / sum fast_seconds) / (sum base_tokens /
+    sum base_seconds), prompt i having made fast_tokens[i] tokens in fast_seconds[i] seconds with one method and
+    base_tokens[i] in base_seconds[i] with the baseline: the delta method's linearisation over independent prompts
+    (as `tau_standard_error`; with equal token counts it is that ratio estimator's error of sum base_seconds /
+    sum fast_seconds), sqrt(n / (n - 1) * sum_i z_i^2) with z_i = speedup * (fast_tokens_i / sum fast_tokens -
+    fast_seconds_i / sum fast_seconds - base_tokens_i / sum base_tokens + base_seconds_i / sum base_seconds).
+    NaN with fewer than 2 prompts or nothing decoded."""
+    n = len(fast_tokens)
+    totals = [sum(values) for values in (fast_tokens, fast_seconds, base_tokens, base_seconds)]
+    if n < 2 or any(total <= 0 for total in totals):
+        return math.nan
+    speedup = (totals[0] / totals[1]) / (totals[2] / totals[3])
+    influence = [speedup * (ft / totals[0] - fs / totals[1] - bt / totals[2] + bs / totals[3])
+                 for ft, fs, bt, bs in zip(fast_tokens, fast_seconds, base_tokens, base_seconds, strict=True)]
+    return math.sqrt(n / (n - 1) * sum(z * z for z in influence))
+
+
 def _summarise(name: str, samples: list[dict[str, Any]], runs: dict[str, list[SpecResult]], block_size: int,
                greedy: bool) -> dict[str, Any]:
     accepted = [a for r in runs["dflash"] for a in r.accepted]
@@ -375,6 +419,18 @@ def _summarise(name: str, samples: list[dict[str, Any]], runs: dict[str, list[Sp
                                 [len(r.accepted) for r in runs["dflash"]])
     pld_forwards = sum(r.target_forwards or 0 for r in runs["prompt_lookup"])
     pld_tokens = sum(len(r.tokens) for r in runs["prompt_lookup"])
+    speedup = {method: rates[method] / plain if plain and plain > 0 else math.nan
+               for method in ("dflash", "prompt_lookup")}
+    speedup_stderr = {method: speedup_standard_error(
+        [len(r.tokens) for r in runs[method]], [r.seconds for r in runs[method]],
+        [len(r.tokens) for r in runs["plain"]], [r.seconds for r in runs["plain"]]) for method in speedup}
+    for index, sample in enumerate(samples):  # per prompt: tokens/s by method and the speedups over plain decoding
+        sample["tokens_per_second"] = {method: len(results[index].tokens) / results[index].seconds
+                                       if results[index].seconds > 0 else math.nan
+                                       for method, results in runs.items()}
+        base = sample["tokens_per_second"]["plain"]
+        sample["speedup"] = {method: sample["tokens_per_second"][method] / base if base > 0 else math.nan
+                             for method in speedup}
     return {
         "dataset": name,
         "prompts": len(samples),
@@ -386,9 +442,13 @@ def _summarise(name: str, samples: list[dict[str, Any]], runs: dict[str, list[Sp
         "acceptance_by_position": acceptance_by_position(accepted, block_size),
         "new_tokens": {method: sum(len(r.tokens) for r in results) for method, results in runs.items()},
         "seconds": {method: sum(r.seconds for r in results) for method, results in runs.items()},
+        "seconds_per_prompt": {method: sum(r.seconds for r in results) / len(results) if results else math.nan
+                               for method, results in runs.items()},
         "tokens_per_second": rates,
-        "speedup": {method: rates[method] / plain if plain and plain > 0 else math.nan
-                    for method in ("dflash", "prompt_lookup")},
+        "speedup": speedup,
+        "speedup_stderr": speedup_stderr,
+        "speedup_ci95": {method: [speedup[method] - 1.96 * speedup_stderr[method],
+                                  speedup[method] + 1.96 * speedup_stderr[method]] for method in speedup},
         "prompt_lookup_tokens_per_target_forward": pld_tokens / pld_forwards if pld_forwards else math.nan,
         "greedy_identical": sum(1 for s in samples if s.get("identical")) if greedy else None,
         "tie_divergences": sum(1 for s in samples if "tie_at" in s) if greedy else None,
@@ -414,18 +474,20 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         f"- target: {report['target']} on {report['device']} ({report['target_dtype']}, "
         f"{report['torch_threads']} CPU threads)",
         f"- temperature {report['temperature']}, max new tokens {report['max_new_tokens']}",
+        *([f"- train/serve parity: {report['parity']['summary']}"] if report.get("parity") else []),
         "",
         "| dataset | prompts | steps | tau | tau s.e. | dflash tok/s | plain tok/s | prompt lookup tok/s "
-        "| dflash speedup | prompt lookup speedup | greedy identical | ties |",
+        "| dflash speedup +- s.e. | prompt lookup speedup +- s.e. | greedy identical | ties |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, d in report["datasets"].items():
-        tps = d["tokens_per_second"]
+        tps, speedup, stderr = d["tokens_per_second"], d["speedup"], d["speedup_stderr"]
         lines.append(
             f"| {name} | {d['prompts']} | {d['steps']} | {_fmt(d['tau'], 3)} | {_fmt(d['tau_stderr'], 3)} | "
             f"{_fmt(tps['dflash'])} | "
-            f"{_fmt(tps['plain'])} | {_fmt(tps['prompt_lookup'])} | {_fmt(d['speedup']['dflash'])}x | "
-            f"{_fmt(d['speedup']['prompt_lookup'])}x | {_fmt(d['greedy_identical'])} | {_fmt(d['tie_divergences'])} |")
+            f"{_fmt(tps['plain'])} | {_fmt(tps['prompt_lookup'])} | {_fmt(speedup['dflash'])}x +- "
+            f"{_fmt(stderr['dflash'])} | {_fmt(speedup['prompt_lookup'])}x +- {_fmt(stderr['prompt_lookup'])} | "
+            f"{_fmt(d['greedy_identical'])} | {_fmt(d['tie_divergences'])} |")
     block = report["block_size"]
     lines += ["", "Acceptance by block position, P(accepted >= k):", "",
               "| dataset | " + " | ".join(f"k={k}" for k in range(1, block)) + " |",
@@ -453,10 +515,45 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
             lines += ["", f"Test split (offline walk, {test['sequences']} sequences, evaluated once): tau "
                       f"{_fmt(test['tau_walk'], 3)} +- {_fmt(test['tau_walk_stderr'], 3)} (s.e.) for "
                       f"{test['drafter']}/ (step {test['step']})."]
+    lines += _parity_lines(report)
     lines += ["", "tau = mean over speculative steps of (accepted drafts + 1); s.e. = its standard error over prompts "
               "(95 % interval: tau +- 1.96 s.e.). Plain = autoregressive decoding of the "
-              "same target with a KV cache; prompt lookup = transformers `prompt_lookup_num_tokens=10`, greedy.", ""]
+              "same target with a KV cache; prompt lookup = transformers `prompt_lookup_num_tokens=10`, greedy. "
+              "Speedup = tokens/s over plain decoding's tokens/s, pooled over prompts; its s.e. is over prompts.", ""]
+    lines += _per_prompt_lines(report)
     path.write_text("\n".join(lines))
+
+
+def _parity_lines(report: dict[str, Any]) -> list[str]:
+    """eval.md's train/serve parity section: each check, and live tau beside the offline test tau."""
+    parity = report.get("parity")
+    if not parity:
+        return []
+    lines = ["", "## Train/serve parity", "", "| check | status | detail |", "|---|---|---|"]
+    lines += [f"| {f['check']} | {f['status']} | {f['detail'].replace('|', '/')} |" for f in parity["findings"]]
+    for name, d in report["datasets"].items():
+        gap = d.get("tau_gap")
+        if gap:
+            verdict = (f"**far below it** ({gap['rule']}); likely causes: " + "; ".join(gap["likely_causes"])
+                       if gap["flagged"] else "not far below it")
+            lines += ["", f"{name}: live tau {_fmt(gap['live_tau'], 3)} +- {_fmt(gap['live_stderr'], 3)} vs offline "
+                      f"tau {_fmt(gap['offline_tau'], 3)} +- {_fmt(gap['offline_stderr'], 3)} on the cache's "
+                      f"{gap['offline_split']} split (ratio {_fmt(gap['ratio'])}): {verdict}."]
+    return lines
+
+
+def _per_prompt_lines(report: dict[str, Any]) -> list[str]:
+    """eval.md's per-prompt table: time and tokens/s of speculative and plain decoding, and the speedup."""
+    lines = ["## Per prompt", "", "| dataset | prompt | prompt tokens | new tokens | tau | dflash s | plain s "
+             "| dflash tok/s | plain tok/s | speedup |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, d in report["datasets"].items():
+        for sample in d["samples"]:
+            seconds, tps = sample["seconds"], sample["tokens_per_second"]
+            lines.append(f"| {name} | {str(sample['id']).replace('|', '/')} | {sample['prompt_tokens']} | "
+                         f"{sample['new_tokens']} | {_fmt(sample['tau'])} | {_fmt(seconds['dflash'])} | "
+                         f"{_fmt(seconds['plain'])} | {_fmt(tps['dflash'], 1)} | {_fmt(tps['plain'], 1)} | "
+                         f"{_fmt(sample['speedup']['dflash'])}x |")
+    return lines + [""]
 
 
 def write_plot(report: dict[str, Any], path: Path) -> None:
@@ -501,6 +598,43 @@ def target_dtype_for(device: str, dtype: str) -> torch.dtype:
 
 
 
+def _check_parity(info: Mapping[str, Any], draft_dir: Path, tokenizer: Any, template_kwargs: dict[str, Any],
+                  stops: list[int], prompts_by_dataset: Mapping[str, list[Prompt]],
+                  ) -> tuple[list[Finding], dict[str, Any]]:
+    """The train/serve parity findings (`parity.py`) of this rendering against the drafter's training cache,
+    logged in one line before decoding. Held-out prompts come tokenized from the cache: nothing of theirs to check."""
+    trained = trained_rendering(info, draft_dir)
+    serving = rendering_record(tokenizer, template_kwargs, stops)
+    findings = compare_rendering(trained, serving, info.get("tokenizer_hash"), template_fingerprint(tokenizer))
+    for name, prompts in prompts_by_dataset.items():
+        if name.lower() != HELDOUT:
+            note = system_turn_finding(name, trained.get("system_turn_share") if trained else None,
+                                       [prompt.messages for prompt in prompts])
+            findings += [note] if note is not None else []
+    report = parity_report(findings, trained, serving)
+    if any(f.status == DIFFERS for f in findings):
+        log.warning("train/serve parity: %s", report["summary"])
+    else:
+        log.info("train/serve parity: %s", report["summary"])
+    return findings, report
+
+
+def _thinking_on(record: Mapping[str, Any]) -> bool | None:
+    thinking = record.get("thinking")
+    return thinking.get("on") if thinking else None
+
+
+def _offline_test_tau(training: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The drafter's offline tau to set live tau beside: the training run's test split (test_results.json), else
+    the last validation evaluation (no standard error recorded); None without a training run."""
+    if not training:
+        return None
+    test = training.get("test")
+    if test and test.get("tau_walk") is not None:
+        return {"split": "test", "tau_walk": test["tau_walk"], "tau_walk_stderr": test.get("tau_walk_stderr")}
+    return {"split": "validation", "tau_walk": training.get("trained_tau_walk"), "tau_walk_stderr": None}
+
+
 def run_eval(
     draft_dir: Path,
     data: str,
@@ -514,11 +648,15 @@ def run_eval(
     allow_target_mismatch: bool = False,
     dtype: str = "auto",
     baselines: bool = True,
+    chat_template: Path | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluate an exported drafter against its target on one or more datasets; write eval.json/.md/.png.
 
     baselines=False decodes only speculatively: tau, acceptance and dflash tokens/s, without plain and prompt-lookup
-    decoding (so no speedups and no greedy equality check), in about a third of the time."""
+    decoding (so no speedups and no greedy equality check), in about a third of the time. chat_template (a Jinja
+    file) and chat_template_kwargs render the prompts as the user's serving does (the target's template and none by
+    default); the parity checks compare that rendering with the training cache's."""
     from dflash.shared.target_loading import load_target_model, load_tokenizer, stop_token_ids
 
     draft_dir = Path(draft_dir)
@@ -531,6 +669,8 @@ def run_eval(
         raise UserError(f"no exported drafter in {draft_dir} (config.json not found): run `dflash export` or "
                         "pass the export folder")
     names = dataset_names(data)
+    template_kwargs = dict(chat_template_kwargs or {})
+    template_text = load_chat_template(chat_template) if chat_template is not None else None
     heldout_split: str | None = None
     prompts_by_dataset: dict[str, list[Prompt]] = {}
     for name in names:  # fail early on bad --data
@@ -548,7 +688,10 @@ def run_eval(
     check_compatibility(draft, target, info, draft_dir)  # sizes first: the clearest message
     check_target_identity(info, resolved, draft_dir, allow_target_mismatch)
     tokenizer = load_tokenizer(resolved.load_path)
+    if template_text is not None:
+        tokenizer.chat_template = template_text
     stops = stop_token_ids(resolved.load_path, tokenizer)
+    findings, parity = _check_parity(info, draft_dir, tokenizer, template_kwargs, stops, prompts_by_dataset)
     target_dtype = next(target.parameters()).dtype
     draft = draft.to(device=device, dtype=torch.float32 if device == "cpu" else target_dtype).eval()
     embed = scaled_embedding(target.get_input_embeddings().weight, draft.config.embed_scale)
@@ -564,7 +707,7 @@ def run_eval(
 
     # Warm-up (untimed): first calls allocate and pick kernels.
     first_prompt = next(iter(prompts_by_dataset.values()))[0]
-    first = first_prompt.ids or tokenize_prompt(tokenizer, first_prompt.messages)
+    first = first_prompt.ids or tokenize_prompt(tokenizer, first_prompt.messages, template_kwargs)
     # transformers' assisted generation (prompt lookup) refuses stateful targets (recurrent layers cannot be cut back).
     lookup_refused = "transformers refuses prompt lookup for stateful models" if getattr(
         target, "_is_stateful", False) else None
@@ -581,6 +724,8 @@ def run_eval(
         greedy_generate(target, first, 4, stops)
     lookup(first, 4)
 
+    training = training_acceptance(draft_dir)
+    offline = _offline_test_tau(training)
     datasets: dict[str, Any] = {}
     total_prompts = sum(len(prompts) for prompts in prompts_by_dataset.values())
     started, done = time.time(), 0
@@ -589,7 +734,7 @@ def run_eval(
         samples: list[dict[str, Any]] = []
         for prompt in prompts:
             prompt_started = time.time()
-            ids = prompt.ids or tokenize_prompt(tokenizer, prompt.messages)
+            ids = prompt.ids or tokenize_prompt(tokenizer, prompt.messages, template_kwargs)
             spec = dflash(ids, max_new_tokens)
             plain = (greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature, generator=generator)
                      if baselines else SpecResult(tokens=[]))
@@ -615,6 +760,13 @@ def run_eval(
         if any(prompt.cached is not None for prompt in prompts):
             datasets[name]["offline"] = _offline_walk(draft, embed, head, prompts)
             datasets[name]["split"] = heldout_split
+        gap = tau_gap(datasets[name]["tau"], datasets[name]["tau_stderr"], offline, max_new_tokens,
+                      findings, _thinking_on(parity["eval"]), from_cache=name.lower() == HELDOUT)
+        datasets[name]["tau_gap"] = gap
+        if gap and gap["flagged"]:
+            log.warning("%s: live tau %.3f is far below the offline %s tau %.3f (%s); likely causes: %s", name,
+                        gap["live_tau"], gap["offline_split"], gap["offline_tau"], gap["rule"],
+                        "; ".join(gap["likely_causes"]))
 
     report = {
         "draft_dir": str(draft_dir),
@@ -633,9 +785,11 @@ def run_eval(
         "mask_token_id": int(draft.config.mask_token_id),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "prompt_lookup_unavailable": lookup_refused,
+        "chat_template": str(chat_template) if chat_template is not None else None,
+        "chat_template_kwargs": template_kwargs,
+        "parity": parity,
         "datasets": datasets,
     }
-    training = training_acceptance(draft_dir)
     if training:
         report["training"] = training
     out_dir.mkdir(parents=True, exist_ok=True)

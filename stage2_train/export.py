@@ -5,7 +5,8 @@
 `model.safetensors` with the reference weight names and no prefix, and `modeling_dflash.py` (named by the
 config's `auto_map`: `AutoModel.from_pretrained(EXPORT, trust_remote_code=True)` returns the drafter with
 `spec_generate`). A `dflash_target.json` beside them records which target and cache the drafter was trained for, so
-evaluation can refuse a mismatched target.
+evaluation can refuse a mismatched target, and how the cache's prompts were rendered, so evaluation can check its
+own prompts against it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dflash.shared.cache_format import RENDERING_KEY
 from dflash.shared.errors import UserError, hidden_os_error
 from dflash.shared.run_files import CONFIG_FILE, TARGET_INFO_FILE, TARGET_INIT_FILE, WEIGHTS_FILE, RunFiles
 from dflash.stage2_train.draft_attention import AttnImplementation, training_drafter
@@ -59,6 +61,8 @@ def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any
         "hidden_size": identity.get("hidden_size"),
         "vocab_size": config.get("vocab_size"),
         "layer_ids": identity.get("layer_ids"),
+        # How the cache's prompts were rendered (chat template, thinking, special tokens): what eval checks against.
+        RENDERING_KEY: manifest.get(RENDERING_KEY),
         "run_dir": str(Path(run_dir).resolve()) if run_dir is not None else None,
     }
     (tmp / TARGET_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")

@@ -122,6 +122,10 @@ def test_train_learns_beats_untrained_and_exports_the_reference_format(train_cac
     assert offline["tau_walk"] > untrained_tau + 2 * offline["tau_walk_stderr"], (offline, untrained_tau)
     assert heldout["tau"] > 1.0 and heldout["greedy_identical"] + heldout["tie_divergences"] == 3
     assert "offline walk tau" in (tmp_path / "eval" / "eval.md").read_text()
+    # The export carries the cache's record of its rendering, and eval renders as extract did: no parity finding.
+    parity = json.loads((tmp_path / "eval" / "eval.json").read_text())["parity"]
+    assert parity["cache"] == cf.read_manifest(train_cache)[cf.RENDERING_KEY] and parity["mismatches"] == 0
+    assert parity["summary"].startswith("prompts are rendered as the training cache's"), parity["summary"]
     training = json.loads((tmp_path / "eval" / "eval.json").read_text())["training"]
     assert training["trained_tau_walk"] == trained_tau and training["untrained_tau_walk"] is None  # --eval-every 0
     assert training["test"]["tau_walk"] == test["tau_walk"]
