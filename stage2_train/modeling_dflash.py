@@ -1233,6 +1233,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     embed_scale: float = 1.0,
     decode: str = "auto",
+    capacity: int = 0,
 ) -> SpecResult:
     """DFlash speculative decoding of one prompt (batch size 1); see the module docstring.
 
@@ -1240,6 +1241,8 @@ def speculative_generate(
     embedding is ``embed_weight`` rows times ``embed_scale``. ``layer_ids``: the target layers whose outputs form
     the drafter context (the drafter's target_layer_ids). ``decode``: "auto" (static caches and CUDA graphs on CUDA,
     transformers' DynamicCache elsewhere), "static" or "dynamic" (see `resolve_decode`); both give the same tokens.
+    ``capacity``: positions the static buffers should hold at least (a warm-up sized for the longest prompt to come
+    captures the graphs later generations reuse).
     Returns the new tokens (cut after the first stop token, which is kept, and to ``max_new_tokens``), and per step
     the accepted draft count (a step cut short counts what it emitted, minus one)."""
     prompt = prompt_ids(input_ids)
@@ -1248,7 +1251,7 @@ def speculative_generate(
     if max_new_tokens <= 0:
         return SpecResult(tokens=[])
     stops = {int(t) for t in stop_token_ids}
-    needed = len(prompt) + max_new_tokens + draft.block_size
+    needed = max(len(prompt) + max_new_tokens + draft.block_size, capacity)
     runner = target_runner(target, layer_ids, needed, decode)
     drafter = draft_runner(draft, embed_weight, lm_head_weight, embed_scale, needed, decode)
     tokens: list[int] = []

@@ -35,18 +35,19 @@ def greedy_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     decode: str = "auto",
+    capacity: int = 0,
 ) -> SpecResult:
     """Plain autoregressive decoding with a KV cache (greedy by default): the baseline and the losslessness reference.
 
     Every target step emits one token, so ``accepted`` is all zeros (tau = 1). ``decode`` as in
     `speculative_generate` (on CUDA by default a static cache and a CUDA-graphed one-token step, so the speedup
-    compares like with like).
+    compares like with like); ``capacity`` as there.
     """
     prompt = prompt_ids(input_ids)
     if max_new_tokens <= 0:
         return SpecResult(tokens=[])
     stops = {int(t) for t in stop_token_ids}
-    runner = target_runner(target, (), len(prompt) + max_new_tokens, decode)
+    runner = target_runner(target, (), max(len(prompt) + max_new_tokens, capacity), decode)
     synchronize(runner.device)
     started = time.perf_counter()
     logits, _ = runner.forward(prompt, 0, last_only=True)
