@@ -42,6 +42,13 @@ The loop (`speculative_generate`, batch size 1), the semantics of z-lab's `dflas
 Greedy output equals plain greedy decoding token for token, up to floating-point near-ties (the target verifies a
 block of B tokens in one forward, plain decoding one token at a time).
 
+The fast path (``decode="static"``, the default on CUDA): the target runs over a static KV cache of full-length
+`StaticLayer`s (masks built from the positions, sliding windows included), so a rollback only moves the write
+position back; the drafter keeps its projected context in a preallocated buffer and runs a fixed-shape block
+forward over it (rows past the context masked); the verify block, the one-token step of plain decoding and the
+drafter block are captured once as CUDA graphs (`GraphedForward`) and replayed; the greedy acceptance runs on the
+device with one read-back per step. Hybrid recurrent targets keep the dynamic path (`static_unsupported`).
+
 Cache cropping: transformers >= 5.15 `Cache.crop(n)` takes the number of tokens to remove as a negative integer and
 rejects a positive n (older versions read a positive n as the length to keep). `crop_cache(cache, keep)` therefore
 always calls ``crop(-(length - keep))``, which means the same on both, never ``crop(0)``, and falls back to slicing
