@@ -596,9 +596,11 @@ def static_unsupported(target: nn.Module) -> str | None:
     and sliding-window attention layers (hybrid recurrent targets keep the dynamic path and its snapshot/restore),
     SDPA or eager attention, and, with sliding layers, a model that takes per-layer-type masks (a dict)."""
     try:
-        from transformers.cache_utils import Cache, StaticLayer  # noqa: F401
-    except ImportError:
-        return "this transformers version has no StaticLayer"
+        from transformers.cache_utils import Cache, StaticLayer
+
+        Cache(layers=[StaticLayer(max_cache_len=1)])
+    except (ImportError, TypeError) as error:
+        return f"this transformers version builds no cache of StaticLayers ({error})"
     types = set(_target_layer_types(target))
     other = types - {"full_attention", "sliding_attention"}
     if other or getattr(target, "_is_stateful", False):
