@@ -1014,7 +1014,11 @@ class DraftRunner:
         k_pos = torch.arange(self.capacity, device=self.device)[None]
         visible = torch.cat([k_pos < self._start, torch.ones_like(offsets, dtype=torch.bool)[None]], dim=1)
         mask = visible[:, None, :].expand(1, self.block_size, -1)
-        hidden = self.draft_model(noise, self.context, q_pos, k_pos, mask, projected=True)
+        attention, self.draft_model.attention = self.draft_model.attention, DenseAttention  # SDPA, not training's
+        try:
+            hidden = self.draft_model(noise, self.context, q_pos, k_pos, mask, projected=True)
+        finally:
+            self.draft_model.attention = attention
         return hidden, self._greedy(hidden[0, 1:], self._bonus[0].to(self.lm_head_weight.device))
 
     def _greedy(self, hidden: Tensor, anchor: Tensor) -> Tensor:
