@@ -7,7 +7,6 @@ capture) skip without CUDA; `benchmarks/bench_eval_decode.py` covers them on the
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -161,10 +160,15 @@ def test_static_drafter_context_equals_the_dynamic_one(targets: dict) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
-def test_cuda_graph_path_equals_the_dynamic_path(targets: dict, architecture: str) -> None:
+def test_cuda_graph_path_equals_the_dynamic_path(architecture: str, tmp_path: Path) -> None:
     """On a GPU (float32): the graphed static path gives the dynamic path's tokens and acceptance, and plain decoding
     through the graphed one-token step gives the same tokens, over several prompts that reuse the captured graphs."""
-    target = copy.deepcopy(targets["gemma3_text"]).cuda()
+    from transformers import AutoModelForCausalLM
+
+    from dflash.shared.target_loading import resolve_target
+
+    folder = build_family("gemma3_text", Path(resolve_target(None).load_path), tmp_path / "gemma3_text")
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
     draft = drafter(target, architecture).cuda()
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     for prompt in (list(range(200, 230)), list(range(900, 911)), list(range(50, 90))):
