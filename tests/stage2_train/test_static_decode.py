@@ -7,6 +7,8 @@ capture) skip without CUDA; `benchmarks/bench_eval_decode.py` covers them on the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -156,6 +158,58 @@ def test_static_drafter_context_equals_the_dynamic_one(targets: dict) -> None:
         assert static.context_length == dynamic.context_length == 19
         torch.testing.assert_close(static.block_hidden(77, 19), dynamic.block_hidden(77, 19), rtol=1e-5, atol=1e-5)
         assert static.draft_greedy(77, 19).tolist() == dynamic.draft_greedy(77, 19).tolist()
+
+
+@contextmanager
+def no_host_reads() -> Iterator[None]:
+    """Fail on any read of a tensor's value by the host (a device sync on CUDA, which a graph capture refuses)."""
+    names = ["item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero"]
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def refuse(name: str) -> Callable[..., None]:
+        def method(*_args: object, **_kwargs: object) -> None:
+            raise AssertionError(f"the host read a tensor value (Tensor.{name}) in a captured forward")
+        return method
+
+    for name in names:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss"])
+def test_captured_forwards_read_nothing_back(targets: dict, family: str, architecture: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The functions the GPU path captures (the target's fixed-width step, the drafter's block with its greedy
+    tokens) run with every host read of a tensor value refused: on CUDA they contain no sync, so they can be
+    captured. Checked on CPU by running the eager static path under that refusal."""
+    step, block = loop.TargetRunner._static_step, loop.DraftRunner._static_block
+    calls = {"target": 0, "drafter": 0}
+
+    def guarded_step(self: loop.TargetRunner, ids: torch.Tensor, last_only: bool) -> object:
+        if last_only:  # the prefill: eager on every device
+            return step(self, ids, last_only)
+        calls["target"] += 1
+        with no_host_reads():
+            return step(self, ids, last_only)
+
+    def guarded_block(self: loop.DraftRunner) -> object:
+        calls["drafter"] += 1
+        with no_host_reads():
+            return block(self)
+
+    monkeypatch.setattr(loop.TargetRunner, "_static_step", guarded_step)
+    monkeypatch.setattr(loop.DraftRunner, "_static_block", guarded_block)
+    target = targets[family]
+    draft = drafter(target, architecture)
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    loop.speculative_generate(target, draft, embed, head, list(range(200, 230)), LAYER_IDS, 12, [], decode="static")
+    spec.greedy_generate(target, list(range(200, 230)), 6, [], decode="static")
+    assert calls["target"] >= 5 + 4 and calls["drafter"] >= 4  # verify blocks, one-token steps, drafter blocks
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
