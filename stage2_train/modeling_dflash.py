@@ -309,16 +309,18 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     @torch.inference_mode()
     def spec_generate(self, input_ids: Any, target: nn.Module, max_new_tokens: int = 256,
                       temperature: float = 0.0, stop_token_ids: Sequence[int] | None = None,
-                      generator: torch.Generator | None = None) -> Tensor:
+                      generator: torch.Generator | None = None, decode: str = "auto") -> Tensor:
         """Speculative decoding of one prompt (batch 1) -> [1, prompt + new] token ids (the new ones end after the
         first stop token); greedy output equals the target's own greedy decoding. ``input_ids``: ids [1, L] or [L],
         a list, or what ``tokenizer.apply_chat_template(..., return_tensors="pt")`` returns (a mapping holding
-        ``input_ids`` in transformers 5). `last_acceptance_lengths` holds accepted + 1 per step (tau = its mean)."""
+        ``input_ids`` in transformers 5). `last_acceptance_lengths` holds accepted + 1 per step (tau = its mean).
+        ``decode``: "auto" (static caches and CUDA graphs on CUDA, kept on the target for later calls), "static" or
+        "dynamic" (see `speculative_generate`)."""
         prompt = prompt_ids(input_ids)
         result = speculative_generate(target, self, target.get_input_embeddings().weight,
                                       target.get_output_embeddings().weight, prompt, self.target_layer_ids,
                                       max_new_tokens, stop_token_ids or [], temperature=temperature,
-                                      generator=generator, embed_scale=self.embed_scale)
+                                      generator=generator, embed_scale=self.embed_scale, decode=decode)
         self.last_acceptance_lengths = [a + 1 for a in result.accepted]
         device = input_ids.device if isinstance(input_ids, Tensor) else self.device
         return torch.tensor([prompt + result.tokens], dtype=torch.long, device=device)
