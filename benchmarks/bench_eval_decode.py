@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_extract import QWEN3_8B, build_qwen3_random  # noqa: E402
 
 from dflash.shared.target_layers import default_layer_ids  # noqa: E402
+from dflash.stage1_extract.supervisor import ExtractOptions  # noqa: E402
 from dflash.stage2_train import modeling_dflash as loop  # noqa: E402
 from dflash.stage2_train.draft_config import config_from_target  # noqa: E402
 from dflash.stage2_train.options import DEFAULT_BLOCK_SIZE  # noqa: E402
@@ -51,7 +52,7 @@ from dflash.stage2_train.target_parts import scaled_embedding  # noqa: E402
 
 PATHS = ("dynamic", "static")  # "static" = the fast path (CUDA graphs on a GPU)
 TAUS = (3.0, 4.0, 6.0)
-DRAFT_LAYERS = 5
+DRAFT_LAYERS = ExtractOptions.draft_layers  # `dflash extract`'s default: 5 captured layers, 5 drafter layers
 
 
 def sync() -> None:
