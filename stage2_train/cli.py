@@ -239,9 +239,14 @@ def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> 
 @click.option("--chat-template-kwargs", default=None, metavar="JSON", callback=lambda _c, _p, v: _json_object(v),
               help="Template arguments your serving passes, e.g. '{\"enable_thinking\": false}'. Eval says before "
                    "decoding if the rendering differs from the one the drafter's training cache used.")
+@click.option("--decode", type=click.Choice(["auto", "dynamic", "static"]), default="auto", show_default=True,
+              help="Decode path of dflash and plain decoding alike: static = static KV caches and fixed-shape "
+                   "forwards (CUDA-graphed on GPUs); dynamic = transformers' DynamicCache; auto = static on CUDA, "
+                   "dynamic on CPU. Hybrid recurrent targets always decode dynamically.")
 def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_new_tokens: int, temperature: float,
                  model: str | None, threads: int, seed: int, allow_target_mismatch: bool, dtype: str,
-                 baselines: bool, chat_template: Path | None, chat_template_kwargs: dict | None) -> None:
+                 baselines: bool, chat_template: Path | None, chat_template_kwargs: dict | None,
+                 decode: str) -> None:
     """Speculative decoding with the target and an exported drafter: acceptance length tau, acceptance by block
     position, tokens/s and speedup against plain autoregressive decoding and prompt-lookup decoding, measured in
     the same run. Greedy mode must reproduce the target's own greedy output. Before decoding it checks that the
@@ -260,7 +265,8 @@ def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_ne
     with exit_on_interrupt("eval", "nothing is kept of an unfinished evaluation: rerun the same command"):
         result = run_eval(draft_dir, data, out, max_samples, max_new_tokens, temperature=temperature, model=model,
                           seed=seed, allow_target_mismatch=allow_target_mismatch, dtype=dtype, baselines=baselines,
-                          chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+                          chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                          decode=decode)
     click.echo((Path(out) / "eval.md").read_text() if (Path(out) / "eval.md").is_file() else json_dump(result))
 
 

@@ -473,7 +473,8 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         f"{report['draft_layers']} layers, target layers {report['target_layer_ids']})",
         f"- target: {report['target']} on {report['device']} ({report['target_dtype']}, "
         f"{report['torch_threads']} CPU threads)",
-        f"- temperature {report['temperature']}, max new tokens {report['max_new_tokens']}",
+        f"- temperature {report['temperature']}, max new tokens {report['max_new_tokens']}, decode path "
+        f"{report['decode_path']}",
         *([f"- train/serve parity: {report['parity']['summary']}"] if report.get("parity") else []),
         "",
         "| dataset | prompts | steps | tau | tau s.e. | dflash tok/s | plain tok/s | prompt lookup tok/s "
@@ -650,13 +651,16 @@ def run_eval(
     baselines: bool = True,
     chat_template: Path | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    decode: str = "auto",
 ) -> dict[str, Any]:
     """Evaluate an exported drafter against its target on one or more datasets; write eval.json/.md/.png.
 
     baselines=False decodes only speculatively: tau, acceptance and dflash tokens/s, without plain and prompt-lookup
     decoding (so no speedups and no greedy equality check), in about a third of the time. chat_template (a Jinja
     file) and chat_template_kwargs render the prompts as the user's serving does (the target's template and none by
-    default); the parity checks compare that rendering with the training cache's."""
+    default); the parity checks compare that rendering with the training cache's. decode: the decode path of dflash
+    and plain decoding alike (`modeling_dflash.resolve_decode`: auto = static caches and CUDA graphs on CUDA,
+    dynamic on CPU)."""
     from dflash.shared.target_loading import load_target_model, load_tokenizer, stop_token_ids
 
     draft_dir = Path(draft_dir)
@@ -701,9 +705,13 @@ def run_eval(
     greedy = temperature == 0
     generator = torch.Generator(device="cpu").manual_seed(seed)
 
+    # Static buffers sized once for the longest prompt, so the warm-up captures the graphs every prompt reuses.
+    capacity = max(len(p.ids or tokenize_prompt(tokenizer, p.messages)) for ps in prompts_by_dataset.values()
+                   for p in ps) + max_new_tokens + block_size
+
     def dflash(ids: list[int], n: int) -> SpecResult:
-        return speculative_generate(target, draft, embed, head, ids, layer_ids, n, stops,
-                                    temperature=temperature, generator=generator)
+        return speculative_generate(target, draft, embed, head, ids, layer_ids, n, stops, temperature=temperature,
+                                    generator=generator, decode=decode, capacity=capacity)
 
     # Warm-up (untimed): first calls allocate and pick kernels.
     first_prompt = next(iter(prompts_by_dataset.values()))[0]
@@ -719,9 +727,9 @@ def run_eval(
 
     log.info("evaluating %s with the target %s on %s (%d prompts): warming up", draft_dir, resolved.display_name,
              device, sum(len(prompts) for prompts in prompts_by_dataset.values()))
-    dflash(first, 4)
+    decode_path = dflash(first, 4).decode  # what --decode resolved to (e.g. hybrid targets stay dynamic)
     if baselines:
-        greedy_generate(target, first, 4, stops)
+        greedy_generate(target, first, 4, stops, decode=decode, capacity=capacity)
     lookup(first, 4)
 
     training = training_acceptance(draft_dir)
@@ -736,8 +744,8 @@ def run_eval(
             prompt_started = time.time()
             ids = prompt.ids or tokenize_prompt(tokenizer, prompt.messages, template_kwargs)
             spec = dflash(ids, max_new_tokens)
-            plain = (greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature, generator=generator)
-                     if baselines else SpecResult(tokens=[]))
+            plain = (greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature, generator=generator,
+                                     decode=decode, capacity=capacity) if baselines else SpecResult(tokens=[]))
             lookup_result = lookup(ids, max_new_tokens)
             sample: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "new_tokens": len(spec.tokens),
                                       "steps": spec.steps, "tau": spec.tau, "accepted": spec.accepted,
@@ -777,6 +785,8 @@ def run_eval(
         "torch_threads": torch.get_num_threads(),
         "temperature": temperature,
         "baselines": baselines,
+        "decode": decode,
+        "decode_path": decode_path,
         "max_new_tokens": max_new_tokens,
         "max_samples": max_samples,
         "block_size": block_size,

@@ -42,6 +42,13 @@ The loop (`speculative_generate`, batch size 1), the semantics of z-lab's `dflas
 Greedy output equals plain greedy decoding token for token, up to floating-point near-ties (the target verifies a
 block of B tokens in one forward, plain decoding one token at a time).
 
+The fast path (``decode="static"``, the default on CUDA): the target runs over a static KV cache of full-length
+`StaticLayer`s (masks built from the positions, sliding windows included), so a rollback only moves the write
+position back; the drafter keeps its projected context in a preallocated buffer and runs a fixed-shape block
+forward over it (rows past the context masked); the verify block, the one-token step of plain decoding and the
+drafter block are captured once as CUDA graphs (`GraphedForward`) and replayed; the greedy acceptance runs on the
+device with one read-back per step. Hybrid recurrent targets keep the dynamic path (`static_unsupported`).
+
 Cache cropping: transformers >= 5.15 `Cache.crop(n)` takes the number of tokens to remove as a negative integer and
 rejects a positive n (older versions read a positive n as the length to keep). `crop_cache(cache, keep)` therefore
 always calls ``crop(-(length - keep))``, which means the same on both, never ``crop(0)``, and falls back to slicing
@@ -302,16 +309,18 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     @torch.inference_mode()
     def spec_generate(self, input_ids: Any, target: nn.Module, max_new_tokens: int = 256,
                       temperature: float = 0.0, stop_token_ids: Sequence[int] | None = None,
-                      generator: torch.Generator | None = None) -> Tensor:
+                      generator: torch.Generator | None = None, decode: str = "auto") -> Tensor:
         """Speculative decoding of one prompt (batch 1) -> [1, prompt + new] token ids (the new ones end after the
         first stop token); greedy output equals the target's own greedy decoding. ``input_ids``: ids [1, L] or [L],
         a list, or what ``tokenizer.apply_chat_template(..., return_tensors="pt")`` returns (a mapping holding
-        ``input_ids`` in transformers 5). `last_acceptance_lengths` holds accepted + 1 per step (tau = its mean)."""
+        ``input_ids`` in transformers 5). `last_acceptance_lengths` holds accepted + 1 per step (tau = its mean).
+        ``decode``: "auto" (static caches and CUDA graphs on CUDA, kept on the target for later calls), "static" or
+        "dynamic" (see `speculative_generate`)."""
         prompt = prompt_ids(input_ids)
         result = speculative_generate(target, self, target.get_input_embeddings().weight,
                                       target.get_output_embeddings().weight, prompt, self.target_layer_ids,
                                       max_new_tokens, stop_token_ids or [], temperature=temperature,
-                                      generator=generator, embed_scale=self.embed_scale)
+                                      generator=generator, embed_scale=self.embed_scale, decode=decode)
         self.last_acceptance_lengths = [a + 1 for a in result.accepted]
         device = input_ids.device if isinstance(input_ids, Tensor) else self.device
         return torch.tensor([prompt + result.tokens], dtype=torch.long, device=device)
@@ -557,16 +566,141 @@ def target_decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+# ---------------------------------------------------------------------------
+# The fast path: static caches, fixed-shape forwards, CUDA graphs
+# ---------------------------------------------------------------------------
+
+DECODE_MODES = ("auto", "dynamic", "static")
+STATIC_ROUNDING = 256  # static buffers hold a multiple of this many positions (so later prompts reuse them)
+
+
+def static_capacity(needed: int) -> int:
+    """The size of a static buffer that holds ``needed`` positions (rounded up, so graphs are reused)."""
+    return -(-needed // STATIC_ROUNDING) * STATIC_ROUNDING
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _target_layer_types(model: nn.Module) -> list[str]:
+    config = _text_config(model)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return ["sliding_attention" if sliding else "full_attention"] * int(config.num_hidden_layers)
+
+
+def static_unsupported(target: nn.Module) -> str | None:
+    """Why the static path cannot run this target (None: it can): it needs transformers' `StaticLayer`, only full
+    and sliding-window attention layers (hybrid recurrent targets keep the dynamic path and its snapshot/restore),
+    SDPA or eager attention, and, with sliding layers, a model that takes per-layer-type masks (a dict)."""
+    try:
+        from transformers.cache_utils import Cache, StaticLayer
+
+        Cache(layers=[StaticLayer(max_cache_len=1)])
+    except (ImportError, TypeError) as error:
+        return f"this transformers version builds no cache of StaticLayers ({error})"
+    types = set(_target_layer_types(target))
+    other = types - {"full_attention", "sliding_attention"}
+    if other or getattr(target, "_is_stateful", False):
+        return f"layers of type {sorted(other) or 'stateful'} (hybrid recurrent targets keep the dynamic cache)"
+    implementation = getattr(_text_config(target), "_attn_implementation", None) or "eager"
+    if implementation not in ("sdpa", "eager"):
+        return f"attention implementation {implementation!r} (the static path builds SDPA/eager masks)"
+    if "sliding_attention" in types:
+        decoder = target.get_decoder() if hasattr(target, "get_decoder") else target
+        try:
+            source = inspect.getsource(type(decoder).forward)
+        except (OSError, TypeError):
+            source = ""
+        if "attention_mask, dict" not in source:
+            return f"{type(decoder).__name__} takes no per-layer-type masks (needed for its sliding-window layers)"
+    return None
+
+
+def static_cache(target: nn.Module, capacity: int) -> Any:
+    """A cache of full-length `StaticLayer`s (sliding-window layers included: their window is applied by the mask,
+    so a rollback never loses a position a ring buffer would have overwritten)."""
+    from transformers.cache_utils import Cache, StaticLayer
+
+    layers = [StaticLayer(max_cache_len=capacity) for _ in range(int(_text_config(target).num_hidden_layers))]
+    return Cache(layers=layers)
+
+
+class GraphedForward:
+    """A fixed-shape function of preallocated input buffers, run eagerly or replayed from a CUDA graph captured on
+    its first call (after two warm-up runs on a side stream). Its outputs are the graph's static tensors: valid until
+    the next call. A capture that fails leaves the function eager (``failure`` says why)."""
+
+    def __init__(self, function: Callable[[], Any], graphs: bool, pool: Any = None) -> None:
+        self.function = function
+        self.graphs = graphs
+        self.pool = pool
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: Any = None
+        self.failure: str | None = None
+
+    def __call__(self) -> Any:
+        if self.graph is not None:
+            self.graph.replay()
+            return self.outputs
+        if not self.graphs:
+            return self.function()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.function()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = self.function()
+        except RuntimeError as error:
+            self.graphs, self.failure = False, f"CUDA graph capture failed: {error}"
+            torch.cuda.synchronize()
+            return self.function()
+        self.graph, self.outputs = graph, outputs
+        graph.replay()
+        return outputs
+
+
+def resolve_decode(decode: str, device: torch.device) -> tuple[bool, bool]:
+    """(static caches, CUDA graphs) for a `decode` mode: auto = static with graphs on CUDA, dynamic elsewhere;
+    static = static caches, graphs on CUDA only; dynamic = transformers' DynamicCache, eager forwards."""
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode={decode!r}: choose one of {', '.join(DECODE_MODES)}")
+    static = decode == "static" or (decode == "auto" and device.type == "cuda")
+    return static, static and device.type == "cuda"
+
+
 class TargetRunner:
     """Runs the target with its KV cache; captures the outputs of its decoder layers ``layer_ids`` through forward
-    hooks (the raw layer outputs, as stage 1 caches them) while inside `hooked()`."""
+    hooks (the raw layer outputs, as stage 1 caches them) while inside `hooked()`.
 
-    def __init__(self, target: nn.Module, layer_ids: Sequence[int] = ()) -> None:
+    With ``capacity`` (the static path, see `static_unsupported`), the cache is a static one of that many positions:
+    every forward writes at its start position (set on the device before the forward), attention masks are built
+    from the positions, rollback only moves the write position back, and forwards of a fixed width (the verify
+    block, the one-token decode step) are replayed from CUDA graphs with ``graphs``. Prefills run eagerly."""
+
+    def __init__(self, target: nn.Module, layer_ids: Sequence[int] = (), capacity: int | None = None,
+                 graphs: bool = False) -> None:
         self.target = target
         self.layer_ids = list(layer_ids)
         self.device = next(target.parameters()).device
-        self.cache = new_cache(target)
+        self.capacity = capacity
+        self.graphs = graphs
+        self.cache = new_cache(target) if capacity is None else static_cache(target, capacity)
+        self.length = 0  # positions the static cache holds
+        self._forwards: dict[tuple[int, bool], GraphedForward] = {}
+        self._inputs: dict[int, Tensor] = {}
+        self._start = torch.zeros((), dtype=torch.long, device=self.device)
+        self._pool = torch.cuda.graph_pool_handle() if graphs else None
         params = set(inspect.signature(target.forward).parameters)
+        self._has_cache_position = "cache_position" in params  # transformers 4.x static layers write there
         # transformers >= 5.2x names the KV cache argument `cache`; older versions `past_key_values`.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
@@ -574,6 +708,7 @@ class TargetRunner:
         self.history: list[int] = []  # the token ids the cache holds, in order (for recomputation)
         self._snapshot: dict[int, Any] | None = None  # recurrent layers as they were before the block being verified
         self._block_start = 0  # the cache length when that snapshot was taken
+        self.path = "dynamic" if capacity is None else ("static+cuda-graphs" if graphs else "static")
 
     @contextmanager
     def hooked(self) -> Iterator[TargetRunner]:
@@ -602,12 +737,14 @@ class TargetRunner:
         """Run positions start..start + len(ids) - 1 (the cache must hold exactly ``start`` positions).
 
         Returns float32 logits [L, V] (or [1, V] with ``last_only``) and the captured features [1, L, n * H] (None
-        without layer_ids)."""
+        without layer_ids). ``ids`` may be a tensor on the device (the static path then reads nothing back)."""
+        if self.layer_ids and self._outputs is None:
+            raise RuntimeError("TargetRunner.forward with layer_ids needs `with runner.hooked():`")
+        if self.capacity is not None:
+            return self._static_forward(ids, start, last_only)
         if cache_length(self.cache) != start:
             raise RuntimeError(f"target cache holds {cache_length(self.cache)} positions, expected {start}")
         ids_list = [int(t) for t in (ids.reshape(-1).tolist() if isinstance(ids, Tensor) else ids)]
-        if self.layer_ids and self._outputs is None:
-            raise RuntimeError("TargetRunner.forward with layer_ids needs `with runner.hooked():`")
         if self._outputs is not None:
             self._outputs.clear()
         out = self._run(ids_list, start, last_only)
@@ -632,9 +769,97 @@ class TargetRunner:
         self.history.extend(ids)
         return out
 
-    def verify(self, ids: Sequence[int], start: int) -> tuple[Tensor, Tensor | None]:
+    # -- the static path ---------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Empty the static cache for a new prompt (the buffers stay; what they hold past `length` is never read)."""
+        self.length = 0
+
+    @property
+    def graph_failure(self) -> str | None:
+        """Why a CUDA graph capture failed (that forward then runs eagerly), or None."""
+        return next((f.failure for f in self._forwards.values() if f.failure), None)
+
+    def _static_forward(self, ids: Sequence[int] | Tensor, start: int, last_only: bool) -> tuple[Tensor, Tensor | None]:
+        assert self.capacity is not None
+        if start != self.length:
+            raise RuntimeError(f"target cache holds {self.length} positions, expected {start}")
+        width = int(ids.numel()) if isinstance(ids, Tensor) else len(ids)
+        if start + width > self.capacity:
+            raise RuntimeError(f"the static cache holds {self.capacity} positions; {start + width} needed")
+        buffer = self._inputs.get(width)
+        if buffer is None:
+            buffer = self._inputs[width] = torch.zeros((1, width), dtype=torch.long, device=self.device)
+        if isinstance(ids, Tensor):
+            buffer.copy_(ids.reshape(1, width))
+        elif width == 1:
+            buffer.fill_(int(ids[0]))  # a kernel argument: no host-to-device copy
+        else:
+            buffer.copy_(torch.tensor([list(ids)], dtype=torch.long))
+        self._start.fill_(start)
+        # One-token steps and verify blocks have fixed shapes (graphed); prefills are eager, logits of the last row.
+        last_row = last_only and width > 1
+        graphed = self.graphs and not last_row
+        forward = self._forwards.get((width, last_row))
+        if forward is None:
+            forward = GraphedForward(lambda: self._static_step(buffer, last_row), graphed, self._pool)
+            if graphed:
+                self._forwards[(width, last_row)] = forward
+        logits, features = forward()
+        self.length = start + width
+        return logits, features
+
+    def _masks(self, positions: Tensor) -> Any:
+        """The attention mask(s) of queries at ``positions`` [W] over the whole static cache: causal, and within the
+        window for sliding layers; boolean for SDPA, additive for eager attention; a dict by layer type when the
+        target has sliding layers (what such models take instead of building their masks)."""
+        config = _text_config(self.target)
+        keys = torch.arange(int(self.capacity or 0), device=self.device)
+        causal = keys[None, :] <= positions[:, None]
+        masks = {"full_attention": causal[None, None]}
+        sliding = "sliding_attention" in _target_layer_types(self.target)
+        if sliding:
+            in_window = (positions[:, None] - keys[None, :]) < int(config.sliding_window)
+            masks["sliding_attention"] = (causal & in_window)[None, None]
+        if (getattr(config, "_attn_implementation", None) or "eager") == "eager":
+            dtype = next(self.target.parameters()).dtype
+            masks = {name: torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill(
+                ~mask, torch.finfo(dtype).min) for name, mask in masks.items()}
+        return masks if sliding else masks["full_attention"]
+
+    def _static_step(self, ids: Tensor, last_only: bool) -> tuple[Tensor, Tensor | None]:
+        """One forward of the input buffer ``ids`` [1, W] at positions start.. (``self._start``, on the device)
+        through the static cache: device work only, so it can be captured."""
+        positions = self._start + torch.arange(ids.shape[1], device=self.device)
+        for layer in getattr(self.cache, "layers", None) or []:  # transformers 5: a layer writes at its own counter
+            counter = getattr(layer, "cumulative_length", None)
+            if isinstance(counter, Tensor) and counter.device == self.device:
+                counter.copy_(self._start)
+        kwargs: dict[str, Any] = {self._cache_kwarg: self.cache, "use_cache": True,
+                                  "position_ids": positions[None], "attention_mask": self._masks(positions)}
+        if self._has_cache_position:  # transformers 4.x: static layers write at cache_position
+            kwargs["cache_position"] = positions
+        if last_only and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        if self._outputs is not None:
+            self._outputs.clear()
+        out = self.target(input_ids=ids, **kwargs)
+        logits = out.logits[0, -1:] if last_only else out.logits[0]
+        features = None
+        if self.layer_ids:
+            assert self._outputs is not None
+            features = torch.cat([self._outputs[i] for i in self.layer_ids], dim=-1)
+            self._outputs.clear()
+        return logits.float(), features
+
+    # -- verify and rollback ------------------------------------------------------------------------------------
+
+    def verify(self, ids: Sequence[int] | Tensor, start: int) -> tuple[Tensor, Tensor | None]:
         """`forward` of a block that `rollback` may later cut: first snapshots the layers `crop` cannot rewind
-        (recurrent states of linear-attention layers; small and of fixed size, unlike a KV cache)."""
+        (recurrent states of linear-attention layers; small and of fixed size, unlike a KV cache). The static path
+        needs no snapshot: its rollback only moves the write position."""
+        if self.capacity is not None:
+            return self.forward(ids, start)
         layers = getattr(self.cache, "layers", None) or []
         recurrent = {i: layer for i, layer in enumerate(layers) if has_recurrent_state(layer)}
         self._snapshot = {i: copy.deepcopy(layer) for i, layer in recurrent.items()} if recurrent else None
@@ -646,7 +871,13 @@ class TargetRunner:
 
         KV layers (full and, with past recording, sliding-window) are cropped. Recurrent layers are restored from the
         snapshot taken by `verify` (the state before the block) and the kept part of the block is fed again. A cache
-        whose `crop` refuses is rebuilt by feeding the kept tokens from scratch."""
+        whose `crop` refuses is rebuilt by feeding the kept tokens from scratch. The static cache only moves its
+        write position back."""
+        if self.capacity is not None:
+            if keep > self.length:
+                raise ValueError(f"cannot roll a cache of {self.length} positions back to {keep}")
+            self.length = keep
+            return
         current = cache_length(self.cache)
         if keep > current:
             raise ValueError(f"cannot roll a cache of {current} positions back to {keep}")
@@ -686,10 +917,14 @@ class TargetRunner:
 
 
 class DraftRunner:
-    """The drafter side of the loop: its context (projected once per new feature row) and one block proposal."""
+    """The drafter side of the loop: its context (projected once per new feature row) and one block proposal.
+
+    With ``capacity`` (the static path) the projected context lives in a preallocated buffer of that many rows and
+    the block forward has a fixed shape (attention over the whole buffer, rows past the context masked), so it is
+    replayed from a CUDA graph with ``graphs``; the greedy draft tokens are computed inside that forward."""
 
     def __init__(self, draft: DFlashDraftModel, embed_weight: Tensor, lm_head_weight: Tensor,
-                 embed_scale: float = 1.0) -> None:
+                 embed_scale: float = 1.0, capacity: int | None = None, graphs: bool = False) -> None:
         self.draft_model = draft
         param = next(draft.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -698,31 +933,116 @@ class DraftRunner:
         self.embed_weight = embed_weight
         self.embed_scale = embed_scale
         self.lm_head_weight = lm_head_weight
+        self._scale = torch.tensor(embed_scale, dtype=embed_weight.dtype, device=embed_weight.device)
         self.context: Tensor | None = None  # projected [1, C, H]
+        self.capacity = capacity
+        self.length = 0  # context rows of the static buffer
+        if capacity is not None:
+            self.context = torch.zeros((1, capacity, draft.config.hidden_size), dtype=self.dtype, device=self.device)
+            self._start = torch.zeros((), dtype=torch.long, device=self.device)
+            self._bonus = torch.zeros((1, 1), dtype=torch.long, device=embed_weight.device)
+            self._masks = torch.full((1, self.block_size - 1), self.mask_token_id, dtype=torch.long,
+                                     device=embed_weight.device)
+            pool = torch.cuda.graph_pool_handle() if graphs else None
+            self._block = GraphedForward(self._static_block, graphs, pool)
 
     @property
     def context_length(self) -> int:
+        if self.capacity is not None:
+            return self.length
         return 0 if self.context is None else int(self.context.shape[1])
 
-    def extend(self, features: Tensor) -> None:
-        """Append the target features [1, n, n_layers * H] of the next n positions to the drafter context."""
-        projected = self.draft_model.project_context(features.to(self.device, self.dtype))
+    @property
+    def graph_failure(self) -> str | None:
+        return self._block.failure if self.capacity is not None else None
+
+    def reset(self) -> None:
+        """Empty the context for a new prompt (the static buffer stays)."""
+        if self.capacity is None:
+            self.context = None
+        self.length = 0
+
+    def extend(self, features: Tensor, count: int | None = None) -> None:
+        """Append the target features [1, n, n_layers * H] of the next ``count`` positions (default n) to the
+        drafter context. The static buffer takes all n projected rows (a fixed shape; rows past ``count`` are
+        overwritten by the next extension and masked until then)."""
+        count = features.shape[1] if count is None else count
+        if self.capacity is not None:
+            assert self.context is not None
+            rows = features.shape[1]
+            if self.length + rows > self.capacity:
+                raise RuntimeError(f"the drafter context holds {self.capacity} rows; {self.length + rows} needed")
+            self.context[:, self.length:self.length + rows] = self.draft_model.project_context(
+                features.to(self.device, self.dtype))
+            self.length += count
+            return
+        projected = self.draft_model.project_context(features[:, :count].to(self.device, self.dtype))
         self.context = projected if self.context is None else torch.cat([self.context, projected], dim=1)
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        noise = F.embedding(ids, self.embed_weight)
+        if self.embed_scale != 1.0:  # as transformers' scaled embeddings do: times the scale in the weight's dtype
+            noise = noise * self._scale
+        return noise.to(self.device, self.dtype)
 
     def block_hidden(self, bonus: int, start: int) -> Tensor:
         """Drafter hidden states [1, B, H] of the block [bonus, MASK...] at positions start..start + B - 1."""
         if self.context_length != start:
             raise RuntimeError(f"drafter context holds {self.context_length} positions, expected {start}")
+        if self.capacity is not None:
+            return self._run_static(bonus, start)[0]
         ids = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=self.embed_weight.device)
         ids[0, 0] = bonus
-        noise = F.embedding(ids, self.embed_weight)
-        if self.embed_scale != 1.0:  # as transformers' scaled embeddings do: times the scale in the weight's dtype
-            noise = noise * torch.tensor(self.embed_scale, dtype=noise.dtype, device=noise.device)
-        noise = noise.to(self.device, self.dtype)
+        noise = self._embed(ids)
         q_pos = torch.arange(start, start + self.block_size, device=self.device).unsqueeze(0)
         k_pos = torch.arange(start, device=self.device).unsqueeze(0)
         assert self.context is not None
         return self.draft_model(noise, self.context, q_pos, k_pos, projected=True)
+
+    def _run_static(self, bonus: int, start: int) -> tuple[Tensor, Tensor]:
+        if start + self.block_size > int(self.capacity or 0):
+            raise RuntimeError(f"the drafter context holds {self.capacity} rows; {start + self.block_size} needed")
+        self._bonus.fill_(bonus)
+        self._start.fill_(start)
+        return self._block()
+
+    def _static_block(self) -> tuple[Tensor, Tensor]:
+        """(hidden [1, B, H], greedy draft tokens [B - 1]) of the block at ``self._start`` over the whole context
+        buffer (rows at and after the start masked): device work only, so it can be captured."""
+        assert self.context is not None and self.capacity is not None
+        noise = self._embed(torch.cat([self._bonus, self._masks], dim=1))
+        offsets = torch.arange(self.block_size, device=self.device)
+        q_pos = (self._start + offsets)[None]
+        k_pos = torch.arange(self.capacity, device=self.device)[None]
+        visible = torch.cat([k_pos < self._start, torch.ones_like(offsets, dtype=torch.bool)[None]], dim=1)
+        mask = visible[:, None, :].expand(1, self.block_size, -1)
+        attention, self.draft_model.attention = self.draft_model.attention, DenseAttention  # SDPA, not training's
+        try:
+            hidden = self.draft_model(noise, self.context, q_pos, k_pos, mask, projected=True)
+        finally:
+            self.draft_model.attention = attention
+        return hidden, self._greedy(hidden[0, 1:], self._bonus[0].to(self.lm_head_weight.device))
+
+    def _greedy(self, hidden: Tensor, anchor: Tensor) -> Tensor:
+        """Greedy draft tokens [B - 1] (on the device) of block hidden states [B - 1, H] after the anchor [1]:
+        DFlash: each position's argmax; DFlash 2: the selector's path from the anchor."""
+        logits = self.logits(hidden)
+        selector = getattr(self.draft_model, "candidate_selector", None)
+        if selector is None:
+            return logits.argmax(-1)
+        hidden = hidden[None].to(logits.device, selector.hidden_projection.weight.dtype)
+        return selector.walk(hidden, logits[None], anchor)[0][0]
+
+    def draft_greedy(self, bonus: int, start: int) -> Tensor:
+        """The block's greedy draft tokens [B - 1], left on the device."""
+        if self.capacity is not None:
+            if self.context_length != start:
+                raise RuntimeError(f"drafter context holds {self.context_length} positions, expected {start}")
+            return self._run_static(bonus, start)[1]
+        if getattr(self.draft_model, "candidate_selector", None) is None:
+            return self.propose(bonus, start).argmax(-1)
+        anchor = torch.tensor([bonus], device=self.lm_head_weight.device)
+        return self._greedy(self.block_hidden(bonus, start)[0, 1:], anchor)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """float32 logits [..., V] of drafter hidden states [..., H] (the target's LM head)."""
@@ -774,13 +1094,15 @@ def pick_token(logits: Tensor, temperature: float, generator: torch.Generator | 
     return int(_sample(torch.softmax(logits[None] / temperature, dim=-1), generator)[0])
 
 
-def verify_greedy(draft_tokens: list[int], target_logits: Tensor) -> tuple[int, int]:
-    """(accepted, next token): longest prefix with d_k == argmax at block position k - 1; next = argmax there."""
-    posterior = target_logits.argmax(-1).tolist()
-    accepted = 0
-    while accepted < len(draft_tokens) and draft_tokens[accepted] == posterior[accepted]:
-        accepted += 1
-    return accepted, posterior[accepted]
+def verify_greedy(draft_tokens: Tensor, target_logits: Tensor) -> tuple[int, list[int]]:
+    """(accepted, emitted tokens): the longest prefix with d_k == the target's argmax at block position k - 1, then
+    the target's argmax there; the emitted tokens are the target's argmaxes at block positions 0..accepted (the
+    accepted drafts equal them). Computed on the device: one read-back of B + 1 integers."""
+    posterior = target_logits.argmax(-1)
+    matches = draft_tokens.to(posterior.device) == posterior[: draft_tokens.shape[0]]
+    accepted = matches.long().cumprod(0).sum()
+    values = torch.cat([accepted[None], posterior]).tolist()
+    return values[0], values[1: values[0] + 2]
 
 
 def verify_sampling(draft_tokens: list[int], draft_probs: Tensor, target_probs: Tensor,
@@ -825,13 +1147,15 @@ def clip_step(emitted: list[int], room: int, stops: set[int]) -> tuple[list[int]
 
 @dataclass
 class SpecResult:
-    """What one generation produced: new tokens only, per-step accepted draft counts, target steps, wall time."""
+    """What one generation produced: new tokens only, per-step accepted draft counts, target steps, wall time, and
+    the decode path that ran (`TargetRunner.path`)."""
 
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)
     steps: int = 0
     seconds: float = 0.0
     target_forwards: int | None = None  # prompt lookup: target forward calls made by `generate` (prefill included)
+    decode: str = "dynamic"
 
     @property
     def tau(self) -> float:
@@ -868,6 +1192,48 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def target_runner(target: nn.Module, layer_ids: Sequence[int], needed: int, decode: str = "auto") -> TargetRunner:
+    """The target runner of one generation that holds ``needed`` positions: a static one (kept on the target and
+    reused by later generations while it is large enough, CUDA graphs included) when `decode` asks for it and the
+    target supports it (`static_unsupported`), else a fresh dynamic one (`path` says which, and why)."""
+    device = next(target.parameters()).device
+    static, graphs = resolve_decode(decode, device)
+    reason = static_unsupported(target) if static else None
+    if not static or reason:
+        runner = TargetRunner(target, layer_ids)
+        runner.path = f"dynamic (static unsupported: {reason})" if reason else "dynamic"
+        return runner
+    runners = target.__dict__.setdefault("_dflash_static_runners", {})
+    key = (tuple(layer_ids), graphs, str(device), next(target.parameters()).dtype)
+    runner = runners.get(key)
+    if runner is None or (runner.capacity or 0) < needed:
+        runners.pop(key, None)
+        runner = runners[key] = TargetRunner(target, layer_ids, static_capacity(needed), graphs)
+    runner.reset()
+    failure = runner.graph_failure
+    runner.path = "static+cuda-graphs" if graphs and not failure else (f"static ({failure})" if failure else "static")
+    return runner
+
+
+def draft_runner(draft: DFlashDraftModel, embed_weight: Tensor, lm_head_weight: Tensor, embed_scale: float,
+                 needed: int, decode: str = "auto") -> DraftRunner:
+    """The drafter runner of one generation: static (its context buffer and captured block forward kept on the
+    drafter for later generations) when `decode` asks for it, else dynamic."""
+    param = next(draft.parameters())
+    static, graphs = resolve_decode(decode, param.device)
+    if not static:
+        return DraftRunner(draft, embed_weight, lm_head_weight, embed_scale)
+    runners = draft.__dict__.setdefault("_dflash_static_runners", {})
+    key = (embed_weight.data_ptr(), lm_head_weight.data_ptr(), embed_scale, graphs, str(param.device), param.dtype)
+    runner = runners.get(key)
+    if runner is None or (runner.capacity or 0) < needed:
+        runners.pop(key, None)
+        runner = runners[key] = DraftRunner(draft, embed_weight, lm_head_weight, embed_scale,
+                                            static_capacity(needed), graphs)
+    runner.reset()
+    return runner
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: nn.Module,
@@ -881,22 +1247,28 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     embed_scale: float = 1.0,
+    decode: str = "auto",
+    capacity: int = 0,
 ) -> SpecResult:
     """DFlash speculative decoding of one prompt (batch size 1); see the module docstring.
 
     ``embed_weight`` / ``lm_head_weight``: the target's input embedding and LM head matrices [V, H]; the block
     embedding is ``embed_weight`` rows times ``embed_scale``. ``layer_ids``: the target layers whose outputs form
-    the drafter context (the drafter's target_layer_ids). Returns the new tokens (cut after the first stop token,
-    which is kept, and to ``max_new_tokens``), and per step the accepted draft count (a step cut short counts what
-    it emitted, minus one)."""
+    the drafter context (the drafter's target_layer_ids). ``decode``: "auto" (static caches and CUDA graphs on CUDA,
+    transformers' DynamicCache elsewhere), "static" or "dynamic" (see `resolve_decode`); both give the same tokens.
+    ``capacity``: positions the static buffers should hold at least (a warm-up sized for the longest prompt to come
+    captures the graphs later generations reuse).
+    Returns the new tokens (cut after the first stop token, which is kept, and to ``max_new_tokens``), and per step
+    the accepted draft count (a step cut short counts what it emitted, minus one)."""
     prompt = prompt_ids(input_ids)
     if not prompt:
         raise ValueError("empty prompt")
     if max_new_tokens <= 0:
         return SpecResult(tokens=[])
     stops = {int(t) for t in stop_token_ids}
-    runner = TargetRunner(target, layer_ids)
-    drafter = DraftRunner(draft, embed_weight, lm_head_weight, embed_scale)
+    needed = max(len(prompt) + max_new_tokens + draft.block_size, capacity)
+    runner = target_runner(target, layer_ids, needed, decode)
+    drafter = draft_runner(draft, embed_weight, lm_head_weight, embed_scale, needed, decode)
     tokens: list[int] = []
     accepted: list[int] = []
     with runner.hooked():
@@ -910,23 +1282,29 @@ def speculative_generate(
         start = len(prompt)
         done = bonus in stops or len(tokens) >= max_new_tokens
         while not done:
-            draft_tokens, draft_probs = drafter.draft(bonus, start, temperature, generator)
-            target_logits, features = runner.verify([bonus, *draft_tokens], start)
-            if draft_probs is not None:
-                target_probs = torch.softmax(target_logits / temperature, dim=-1)
-                n_acc, next_token = verify_sampling(draft_tokens, draft_probs, target_probs, generator)
+            if temperature <= 0:
+                draft_ids = drafter.draft_greedy(bonus, start)
+                block = torch.cat([draft_ids.new_full((1,), bonus), draft_ids]).to(runner.device)
+                target_logits, features = runner.verify(block, start)
+                n_acc, emitted = verify_greedy(draft_ids, target_logits)
             else:
-                n_acc, next_token = verify_greedy(draft_tokens, target_logits)
-            emitted, done = clip_step([*draft_tokens[:n_acc], next_token], max_new_tokens - len(tokens), stops)
+                draft_tokens, draft_probs = drafter.draft(bonus, start, temperature, generator)
+                target_logits, features = runner.verify([bonus, *draft_tokens], start)
+                target_probs = torch.softmax(target_logits / temperature, dim=-1)
+                assert draft_probs is not None
+                n_acc, next_token = verify_sampling(draft_tokens, draft_probs, target_probs, generator)
+                emitted = [*draft_tokens[:n_acc], next_token]
+            next_token = emitted[-1]
+            emitted, done = clip_step(emitted, max_new_tokens - len(tokens), stops)
             tokens.extend(emitted)
             accepted.append(len(emitted) - 1)
             if done:
                 break
             assert features is not None
-            drafter.extend(features[:, : n_acc + 1])
+            drafter.extend(features, n_acc + 1)
             start += n_acc + 1
             runner.rollback(start)
             bonus = next_token
         synchronize(runner.device)
         seconds = time.perf_counter() - started
-    return SpecResult(tokens=tokens, accepted=accepted, steps=len(accepted), seconds=seconds)
+    return SpecResult(tokens=tokens, accepted=accepted, steps=len(accepted), seconds=seconds, decode=runner.path)

@@ -15,7 +15,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dflash.stage2_train.modeling_dflash import SpecResult, TargetRunner, clip_step, pick_token, prompt_ids, synchronize
+from dflash.stage2_train.modeling_dflash import (
+    SpecResult,
+    TargetRunner,  # noqa: F401 (plain decoding runs the target as the loop does)
+    clip_step,
+    pick_token,
+    prompt_ids,
+    synchronize,
+    target_runner,
+)
 
 
 @torch.inference_mode()
@@ -26,16 +34,20 @@ def greedy_generate(
     stop_token_ids: Sequence[int],
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    decode: str = "auto",
+    capacity: int = 0,
 ) -> SpecResult:
     """Plain autoregressive decoding with a KV cache (greedy by default): the baseline and the losslessness reference.
 
-    Every target step emits one token, so ``accepted`` is all zeros (tau = 1).
+    Every target step emits one token, so ``accepted`` is all zeros (tau = 1). ``decode`` as in
+    `speculative_generate` (on CUDA by default a static cache and a CUDA-graphed one-token step, so the speedup
+    compares like with like); ``capacity`` as there.
     """
     prompt = prompt_ids(input_ids)
     if max_new_tokens <= 0:
         return SpecResult(tokens=[])
     stops = {int(t) for t in stop_token_ids}
-    runner = TargetRunner(target)
+    runner = target_runner(target, (), max(len(prompt) + max_new_tokens, capacity), decode)
     synchronize(runner.device)
     started = time.perf_counter()
     logits, _ = runner.forward(prompt, 0, last_only=True)
@@ -49,7 +61,8 @@ def greedy_generate(
         tokens.append(token)
     synchronize(runner.device)
     seconds = time.perf_counter() - started
-    return SpecResult(tokens=tokens, accepted=[0] * (len(tokens) - 1), steps=len(tokens) - 1, seconds=seconds)
+    return SpecResult(tokens=tokens, accepted=[0] * (len(tokens) - 1), steps=len(tokens) - 1, seconds=seconds,
+                      decode=runner.path)
 
 
 @torch.inference_mode()

@@ -1,0 +1,234 @@
+"""The fast decode path (static caches, fixed-shape forwards; CUDA graphs on GPUs) against the dynamic one, on the
+tiny targets of real families (float32, CPU): llama, gemma3_text (sliding window 8, shorter than the prompts),
+qwen3_next (hybrid: it keeps the dynamic path), gpt_oss (eager attention with sinks: additive masks, sliding layers)
+and deepseek_v3 (MLA: keys and values of different head sizes), with a DFlash and a DFlash 2 drafter. References: transformers'
+DynamicCache path, plain greedy decoding, and a cache-free forward of the kept prefix. GPU-only parts (graph
+capture) skip without CUDA; `benchmarks/bench_eval_decode.py` covers them on the GPU machine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.stage2_train import modeling_dflash as loop
+from dflash.stage2_train import speculative as spec
+from dflash.stage2_train.draft_config import config_from_target
+from tests.end_to_end.families import build_family
+from tests.stage2_train.test_dflash2 import randomise_added_parts
+
+FAMILIES = ["llama", "gemma3_text", "qwen3_next", "gpt_oss", "deepseek_v3"]
+BLOCK = 4
+LAYER_IDS = [1, 2]
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from dflash.shared.target_loading import resolve_target
+
+    torch.set_num_threads(1)
+    tokenizer = Path(resolve_target(None).load_path)
+    root = tmp_path_factory.mktemp("families")
+    return {name: AutoModelForCausalLM.from_pretrained(build_family(name, tokenizer, root / name),
+                                                       dtype=torch.float32).eval() for name in FAMILIES}
+
+
+def drafter(target: torch.nn.Module, architecture: str) -> loop.DFlashDraftModel:
+    extra = {"dflash2": {"conv_group_size": 8, "selector_rank": 16, "selector_top_k": 4}} if architecture == "dflash2" \
+        else {}
+    cfg = config_from_target(target.config.to_dict(), LAYER_IDS, 1, BLOCK, 5, architecture=architecture, **extra)
+    torch.manual_seed(0)
+    draft = loop.drafter_for(cfg).eval()
+    if architecture == "dflash2":
+        randomise_added_parts(draft)
+    return draft
+
+
+def test_decode_modes_resolve_by_device() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert loop.resolve_decode("auto", cpu) == (False, False)
+    assert loop.resolve_decode("auto", cuda) == (True, True)
+    assert loop.resolve_decode("static", cpu) == (True, False)
+    assert loop.resolve_decode("dynamic", cuda) == (False, False)
+    with pytest.raises(ValueError, match="decode"):
+        loop.resolve_decode("fast", cpu)
+
+
+def test_static_support_by_family(targets: dict) -> None:
+    assert loop.static_unsupported(targets["llama"]) is None
+    assert loop.static_unsupported(targets["gemma3_text"]) is None
+    assert "linear_attention" in loop.static_unsupported(targets["qwen3_next"])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_static_rollback_equals_a_fresh_forward_of_the_kept_prefix(targets: dict, family: str) -> None:
+    """Verify blocks of 6 at varying kept lengths through one static cache (stale positions stay in the buffer),
+    then a forward of 3: its logits and captured features equal a cache-free forward of the same tokens."""
+    target = targets[family]
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(100, 5000, (60,), generator=generator).tolist()
+    runner = loop.TargetRunner(target, LAYER_IDS, capacity=64)
+    position = 20
+    with torch.inference_mode(), runner.hooked():
+        runner.forward(tokens[:position], 0, last_only=True)
+        for keep in (0, 3, 1, 6, 2, 5, 0):
+            runner.verify(torch.tensor(tokens[position:position + 6]), position)
+            runner.rollback(position + keep)
+            assert runner.length == position + keep
+            position += keep
+            tokens[position] = (tokens[position] + 7) % 5000  # the next block differs from the rejected tail
+        logits, features = runner.forward(tokens[position:position + 3], position)
+        with pytest.raises(RuntimeError, match="positions"):
+            runner.forward(tokens[:3], position + 1)
+        fresh = target(input_ids=torch.tensor([tokens[:position + 3]]), output_hidden_states=True)
+    torch.testing.assert_close(logits, fresh.logits[0, position:].float(), rtol=1e-4, atol=1e-4)
+    expected = torch.cat([fresh.hidden_states[i + 1][:, position:] for i in LAYER_IDS], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_path_tokens_equal_the_dynamic_path_and_plain_decoding(targets: dict, family: str,
+                                                                      architecture: str) -> None:
+    target = targets[family]
+    draft = drafter(target, architecture)
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    for prompt in (list(range(200, 230)), list(range(900, 911))):
+        results = {decode: loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2],
+                                                     decode=decode) for decode in ("dynamic", "static")}
+        plain = {decode: spec.greedy_generate(target, prompt, 24, [2], decode=decode) for decode in ("dynamic", "static")}
+        assert results["static"].tokens == results["dynamic"].tokens == plain["dynamic"].tokens
+        assert plain["static"].tokens == plain["dynamic"].tokens
+        assert results["static"].accepted == results["dynamic"].accepted
+        expected = "dynamic (static unsupported" if family == "qwen3_next" else "static"
+        assert results["static"].decode.startswith(expected) and plain["static"].decode.startswith(expected)
+        assert results["dynamic"].decode == "dynamic"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_partly_accepted_blocks_stay_lossless_on_the_static_path(targets: dict, family: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts = the target's own greedy continuation with one wrong token at a varying offset (or none), so blocks
+    are accepted in part, in full and not at all; the static drafter still runs each step. Tokens equal plain
+    decoding, tau follows the planted errors, and the static drafter's buffered context equals the dynamic one's."""
+    target = targets[family]
+    draft = drafter(target, "dflash")
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    prompt = list(range(300, 320))
+    reference = spec.greedy_generate(target, prompt, 40 + BLOCK, []).tokens
+    wrong = [2, None, 1, 3, 2, None]
+    steps = [0]
+    original = loop.DraftRunner.draft_greedy
+
+    def oracle(self: loop.DraftRunner, bonus: int, start: int) -> torch.Tensor:
+        original(self, bonus, start)
+        offset = wrong[steps[0] % len(wrong)]
+        steps[0] += 1
+        drafts = [reference[start - len(prompt) + k] for k in range(1, BLOCK)]
+        if offset is not None:
+            drafts[offset - 1] += 1
+        return torch.tensor(drafts)
+
+    monkeypatch.setattr(loop.DraftRunner, "draft_greedy", oracle)
+    result = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 40, [], decode="static")
+    assert result.tokens == reference[:40]
+    planted = [(wrong[i % len(wrong)] or BLOCK) - 1 for i in range(len(result.accepted))]
+    assert result.accepted[:-1] == planted[:-1]
+
+
+def test_static_drafter_context_equals_the_dynamic_one(targets: dict) -> None:
+    """Block hidden states of the fixed-shape drafter forward (context buffer with masked rows past the context)
+    equal the dynamic forward over exactly the context, after extensions that keep only part of each block."""
+    target = targets["llama"]
+    draft = drafter(target, "dflash")
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    features = torch.randn(1, 30, len(LAYER_IDS) * target.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    dynamic = loop.DraftRunner(draft, embed, head)
+    static = loop.DraftRunner(draft, embed, head, capacity=64)
+    with torch.inference_mode():
+        for runner in (dynamic, static):
+            runner.extend(features[:, :13])
+            runner.extend(features[:, 13:17], 2)  # a block of 4 of which 2 positions were kept
+            runner.extend(features[:, 15:19], 4)
+        assert static.context_length == dynamic.context_length == 19
+        torch.testing.assert_close(static.block_hidden(77, 19), dynamic.block_hidden(77, 19), rtol=1e-5, atol=1e-5)
+        assert static.draft_greedy(77, 19).tolist() == dynamic.draft_greedy(77, 19).tolist()
+
+
+@contextmanager
+def no_host_reads() -> Iterator[None]:
+    """Fail on any read of a tensor's value by the host (a device sync on CUDA, which a graph capture refuses)."""
+    names = ["item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero"]
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def refuse(name: str) -> Callable[..., None]:
+        def method(*_args: object, **_kwargs: object) -> None:
+            raise AssertionError(f"the host read a tensor value (Tensor.{name}) in a captured forward")
+        return method
+
+    for name in names:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss"])
+def test_captured_forwards_read_nothing_back(targets: dict, family: str, architecture: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The functions the GPU path captures (the target's fixed-width step, the drafter's block with its greedy
+    tokens) run with every host read of a tensor value refused: on CUDA they contain no sync, so they can be
+    captured. Checked on CPU by running the eager static path under that refusal."""
+    step, block = loop.TargetRunner._static_step, loop.DraftRunner._static_block
+    calls = {"target": 0, "drafter": 0}
+
+    def guarded_step(self: loop.TargetRunner, ids: torch.Tensor, last_only: bool) -> object:
+        if last_only:  # the prefill: eager on every device
+            return step(self, ids, last_only)
+        calls["target"] += 1
+        with no_host_reads():
+            return step(self, ids, last_only)
+
+    def guarded_block(self: loop.DraftRunner) -> object:
+        calls["drafter"] += 1
+        with no_host_reads():
+            return block(self)
+
+    monkeypatch.setattr(loop.TargetRunner, "_static_step", guarded_step)
+    monkeypatch.setattr(loop.DraftRunner, "_static_block", guarded_block)
+    target = targets[family]
+    draft = drafter(target, architecture)
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    loop.speculative_generate(target, draft, embed, head, list(range(200, 230)), LAYER_IDS, 12, [], decode="static")
+    spec.greedy_generate(target, list(range(200, 230)), 6, [], decode="static")
+    assert calls["target"] >= 5 + 4 and calls["drafter"] >= 4  # verify blocks, one-token steps, drafter blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_cuda_graph_path_equals_the_dynamic_path(architecture: str, tmp_path: Path) -> None:
+    """On a GPU (float32): the graphed static path gives the dynamic path's tokens and acceptance, and plain decoding
+    through the graphed one-token step gives the same tokens, over several prompts that reuse the captured graphs."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.shared.target_loading import resolve_target
+
+    folder = build_family("gemma3_text", Path(resolve_target(None).load_path), tmp_path / "gemma3_text")
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    draft = drafter(target, architecture).cuda()
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    for prompt in (list(range(200, 230)), list(range(900, 911)), list(range(50, 90))):
+        graphed = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="auto")
+        assert graphed.decode == "static+cuda-graphs"
+        eager = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="dynamic")
+        assert graphed.tokens == eager.tokens and graphed.accepted == eager.accepted
+        plain = spec.greedy_generate(target, prompt, 24, [2], decode="auto")
+        assert plain.decode == "static+cuda-graphs" and plain.tokens == graphed.tokens
