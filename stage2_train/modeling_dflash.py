@@ -357,6 +357,7 @@ class GroupedDynamicConv(nn.Module):
         self.groups = hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        self.reset_identity()
 
     @torch.no_grad()
     def reset_identity(self) -> None:
@@ -398,6 +399,7 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
         self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
         self.initializer_range = float(getattr(config, "initializer_range", 0.02))
+        self.reset_identity()
 
     @torch.no_grad()
     def reset_identity(self) -> None:
@@ -462,8 +464,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         for layer in self.layers:
             layer.attention_conv = GroupedDynamicConv(config.hidden_size, kernel_size, group_size, self.block_size)
             layer.mlp_conv = GroupedDynamicConv(config.hidden_size, kernel_size, group_size, self.block_size)
-        self.candidate_selector = CandidateSelector(config)
-        self.reset_identity()
+        self.candidate_selector = CandidateSelector(config)  # each added part starts as the identity
 
     def added_parameter_names(self) -> list[str]:
         """The weights DFlash 2 adds to its DFlash backbone."""

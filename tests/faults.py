@@ -55,13 +55,14 @@ def fail_generation_over(tokens: int, set_attribute: SetAttribute = setattr) -> 
 
     generate = ConversationRegenerator._generate
 
-    def failing_generate(self: ConversationRegenerator, batch: list[tuple[Any, list[int]]]) -> Any:
+    def failing_generate(self: ConversationRegenerator, batch: list[tuple[Any, list[int]]], *args: Any,
+                         **kwargs: Any) -> Any:
         width = max(len(ids) for _, ids in batch)
         new_tokens = max(self._budget(ids) for _, ids in batch)
         rows = max(len(batch), self._static_rows()) if self.settings.static_cache else len(batch)
         if rows * (width + new_tokens) > tokens:
             raise _out_of_memory(f"{OOM_TOKENS_ENV}={tokens}, {rows * (width + new_tokens)} tokens")
-        return generate(self, batch)
+        return generate(self, batch, *args, **kwargs)
 
     set_attribute(ConversationRegenerator, "_generate", failing_generate)
 

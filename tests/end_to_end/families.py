@@ -77,3 +77,17 @@ def build_family(name: str, tokenizer_dir: Path, out: Path, seed: int = 0) -> Pa
     GenerationConfig(bos_token_id=special["bos_token_id"], eos_token_id=special["eos_token_id"],
                      pad_token_id=special["pad_token_id"]).save_pretrained(out)
     return out
+
+
+def load_families(names: list[str], root: Path) -> dict:
+    """{name: the tiny float32 target of each family named}, built under `root` with the embedded tokenizer (one
+    torch thread: the tests compare these targets' outputs bit for bit)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash.shared.target_loading import resolve_target
+
+    torch.set_num_threads(1)
+    tokenizer = Path(resolve_target(None).load_path)
+    return {name: AutoModelForCausalLM.from_pretrained(build_family(name, tokenizer, root / name),
+                                                       dtype=torch.float32).eval() for name in names}

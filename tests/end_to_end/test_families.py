@@ -132,7 +132,7 @@ def _drafter_follows_the_target(export: Path, model_dir: Path, family: str) -> d
 def _notes(model_dir: Path, scale: float) -> str:
     from transformers import AutoModelForCausalLM
 
-    from dflash.stage2_train.speculative import has_recurrent_state, new_cache
+    from dflash.stage2_train.modeling_dflash import has_recurrent_state, new_cache
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = model.config.get_text_config()

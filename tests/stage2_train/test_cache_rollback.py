@@ -5,7 +5,6 @@ of the kept prefix, and plain greedy decoding, of the same float32 target."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from dflash.stage2_train import modeling_dflash as loop
 from dflash.stage2_train import speculative as spec
 from dflash.stage2_train.draft_config import config_from_target
 from dflash.stage2_train.modeling_dflash import DFlashDraftModel
-from tests.end_to_end.families import build_family
+from tests.end_to_end.families import load_families
 
 FAMILIES = ["qwen3_next", "gpt_oss", "gemma3_text", "llama"]
 BLOCK = 4
@@ -22,15 +21,7 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from dflash.shared.target_loading import resolve_target
-
-    torch.set_num_threads(1)
-    tokenizer = Path(resolve_target(None).load_path)
-    root = tmp_path_factory.mktemp("families")
-    return {name: AutoModelForCausalLM.from_pretrained(build_family(name, tokenizer, root / name),
-                                                       dtype=torch.float32).eval() for name in FAMILIES}
+    return load_families(FAMILIES, tmp_path_factory.mktemp("families"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_dflash, step_records
+from tests.end_to_end.test_bad_input_tour import one_line_error
 from tests.stage2_train.conftest import TRAIN_ARGS
 
 ARGS = ("--eval-every", "0", "--checkpoint-every", "0", "--lr", "3e-3", "--seed", "3", *TRAIN_ARGS)
@@ -70,5 +71,4 @@ def test_bad_init_from_is_refused_in_one_line(train_cache: Path, dflash_export: 
         result = run_dflash("train", "--cache", str(train_cache), "--out", str(tmp_path / f"run-{folder.name}"),
                             "--architecture", "dflash2", "--init-from", str(folder), "--max-steps", "1", *ARGS)
         assert result.returncode == 2, result.stderr[-2000:]
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and words in lines[0] and "Traceback" not in result.stderr, result.stderr
+        assert words in one_line_error(result.stderr)

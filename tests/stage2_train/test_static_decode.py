@@ -17,7 +17,7 @@ import torch
 from dflash.stage2_train import modeling_dflash as loop
 from dflash.stage2_train import speculative as spec
 from dflash.stage2_train.draft_config import config_from_target
-from tests.end_to_end.families import build_family
+from tests.end_to_end.families import build_family, load_families
 from tests.stage2_train.test_dflash2 import randomise_added_parts
 
 FAMILIES = ["llama", "gemma3_text", "qwen3_next", "gpt_oss", "deepseek_v3"]
@@ -27,15 +27,7 @@ LAYER_IDS = [1, 2]
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from dflash.shared.target_loading import resolve_target
-
-    torch.set_num_threads(1)
-    tokenizer = Path(resolve_target(None).load_path)
-    root = tmp_path_factory.mktemp("families")
-    return {name: AutoModelForCausalLM.from_pretrained(build_family(name, tokenizer, root / name),
-                                                       dtype=torch.float32).eval() for name in FAMILIES}
+    return load_families(FAMILIES, tmp_path_factory.mktemp("families"))
 
 
 def drafter(target: torch.nn.Module, architecture: str) -> loop.DFlashDraftModel:

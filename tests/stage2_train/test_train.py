@@ -347,7 +347,8 @@ def test_export_command_exports_the_latest_checkpoint_also_an_fsdp_one(train_cac
         assert sorted(exported) == sorted(states[2])
         for key, value in states[2].items():
             assert torch.equal(exported[key], value.to(torch.bfloat16)), (layout, key)
-        assert json.loads((run / "export" / "config.json").read_text())["dflash_config"] == config.dflash_config
+        assert json.loads((run / "export" / "config.json").read_text())["dflash_config"] == config.to_dict()[
+            "dflash_config"]
     empty = tmp_path / "empty"
     (empty / "checkpoints" / "step-00000001").mkdir(parents=True)
     (empty / "checkpoints" / "step-00000001" / "complete").write_text("1")
