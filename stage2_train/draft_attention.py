@@ -43,7 +43,6 @@ from dflash.stage2_train.attention_masks import (
 from dflash.stage2_train.modeling_dflash import DenseAttention, DFlashDraftModel, drafter_for, repeat_kv
 
 AttnImplementation = Literal["auto", "eager", "sdpa", "flex"]
-BACKENDS = ("eager", "sdpa", "flex")
 FLEX_MIN_HIDDEN_SIZE = 2048  # `auto` uses flex_attention on CUDA from this drafter width on (see `backend`)
 MaskSpec = Union[None, AnchorLayout, PackedLayout, Tensor, BlockMask]
 PreparedMask = Union[None, Tensor, BlockMask, GroupedMask, PackedGroups]
@@ -211,10 +210,4 @@ def training_drafter(config: Any, implementation: AttnImplementation = "auto") -
     """A freshly initialised drafter of `config` (DFlash or DFlash 2, as it names) that takes the training layouts
     (see the module docstring)."""
     return use_training_attention(drafter_for(config), implementation)
-
-
-def uses_flex(model: Any, device: torch.device) -> bool:
-    """Whether the drafter's attention runs flex kernels on `device`."""
-    attention = getattr(model, "attention", None)
-    return isinstance(attention, TrainingAttention) and attention.backend(device) == "flex"
 

@@ -336,7 +336,7 @@ def selector_loss(
     row_weights = weights[1:].to(hidden.device).expand_as(truth)[valid].float()
     head = lm_head_weight.detach()
 
-    def chunk_loss(h: Tensor, y: Tensor, a: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def chunk_loss(h: Tensor, y: Tensor, a: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
         with torch.no_grad():
             _, candidates = selector.candidates(h.to(head.dtype) @ head.T)
             hit = candidates == y[:, None]
@@ -351,14 +351,14 @@ def selector_loss(
         unary = torch.einsum("nh,nkh->nk", h.to(head.dtype), head[candidates]).float()
         scores = selector.scores(selector.hidden_projection(h), a, unary, candidates).float()
         ce = torch.nn.functional.cross_entropy(scores, index, reduction="none")
-        return (w * ce * keep).sum(), found.sum(), keep.sum()
+        return (w * ce * keep).sum(), found.sum()
 
     total = hidden.new_zeros((), dtype=torch.float32)
     hits = torch.zeros((), dtype=torch.long, device=hidden.device)
     for start in range(0, rows_hidden.shape[0], chunk_rows):
         part = slice(start, start + chunk_rows)
         args = (rows_hidden[part], rows_truth[part], rows_pred[part], row_weights[part])
-        loss, found, _ = (checkpoint(chunk_loss, *args, use_reentrant=False) if torch.is_grad_enabled()
+        loss, found = (checkpoint(chunk_loss, *args, use_reentrant=False) if torch.is_grad_enabled()
                           else chunk_loss(*args))
         total = total + loss
         hits = hits + found

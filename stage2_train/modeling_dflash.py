@@ -258,10 +258,6 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         elif isinstance(module, Qwen3RMSNorm):
             nn.init.ones_(module.weight)
 
-    def reset_parameters(self) -> None:
-        for module in self.modules():
-            self._init_weights(module)
-
     def window(self, layer_type: str) -> int | None:
         """The sliding window of a layer type (None: full attention)."""
         if layer_type == "full_attention":
