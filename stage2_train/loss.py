@@ -117,7 +117,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, topk_ids: Tensor | None,
                 topk_logprobs: Tensor | None, pos_weights: Tensor, denominator: Tensor, ce_weight: float,
-                kl_weight: float, chunk_size: int, want_grad: bool):
+                kl_weight: float, chunk_size: int, want_grad: bool, candidates_k: int):
         num = hidden.shape[0]
         vocab = weight.shape[0]
         need_h = want_grad and ctx.needs_input_grad[0]
@@ -126,6 +126,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         weighted_ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
         weighted_kl = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(num, dtype=torch.bool, device=hidden.device)
+        candidates = torch.zeros((num, candidates_k), dtype=torch.long, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         scale = pos_weights / denominator  # [N] float32: d loss / d (ce_weight CE_i + kl_weight KL_i)
@@ -136,6 +137,8 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             lse = torch.logsumexp(logits, dim=-1)
             weighted_ce += (pos_weights[start:end] * (lse - logits[rows, lab])).sum()
             correct[start:end] = logits.argmax(dim=-1) == lab
+            if candidates_k:  # DFlash 2's candidates, from these logits rather than a second head product
+                candidates[start:end] = logits.topk(candidates_k, dim=-1).indices
             if distill:
                 ids = topk_ids[start:end].long()
                 p, log_p, p_tail, log_p_tail = target_distribution(topk_logprobs[start:end], vocab)
@@ -174,13 +177,13 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         ctx.save_for_backward(*(t for t in (grad_hidden, grad_weight) if t is not None))
         ctx.has = (need_h, need_w)
         ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(weighted_ce, weighted_kl, correct)
+        ctx.mark_non_differentiable(weighted_ce, weighted_kl, correct, candidates)
         loss = (ce_weight * weighted_ce + kl_weight * weighted_kl) / denominator
-        return loss, weighted_ce, weighted_kl, correct
+        return loss, weighted_ce, weighted_kl, correct, candidates
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_ce: Tensor | None, _grad_kl: Tensor | None,
-                 _grad_correct: Tensor | None):
+                 _grad_correct: Tensor | None, _grad_candidates: Tensor | None):
         saved = list(ctx.saved_tensors)
         need_h, need_w = ctx.has
         grad_hidden = grad_weight = None
@@ -189,7 +192,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if need_w:
             grad_weight = (saved.pop(0) * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None, None
 
 
 def dflash_loss(
@@ -199,6 +202,7 @@ def dflash_loss(
     weights: Tensor,
     global_weight_sum: Tensor | float,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    candidates: int = 0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted block cross-entropy of one micro-batch, divided by the global weight sum.
 
@@ -213,9 +217,13 @@ def dflash_loss(
       weight_sum       float32 scalar, this micro-batch's own `weight_sum`;
       correct_by_position [Bk] long, argmax == label counts per block offset;
       count_by_position   [Bk] long, supervised counts per block offset (accuracy = correct / count);
-      num_tokens       long scalar, number of supervised positions.
+      num_tokens       long scalar, number of supervised positions;
+      candidates       (only when ``candidates`` = k > 0) [B, A, Bk, k] long, the ids of the k largest logits at
+                       each supervised position (0 elsewhere), highest first: DFlash 2's selector candidates
+                       (`selector_loss`), taken from the logits this loss builds anyway.
     """
-    return block_loss(hidden, lm_head_weight, labels, weights, global_weight_sum, chunk_size=chunk_size)
+    return block_loss(hidden, lm_head_weight, labels, weights, global_weight_sum, chunk_size=chunk_size,
+                      candidates=candidates)
 
 
 def block_loss(
@@ -230,6 +238,7 @@ def block_loss(
     ce_weight: float = 1.0,
     kl_weight: float = 0.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    candidates: int = 0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """ce_weight * CE + kl_weight * KL (module docstring) of one micro-batch, position-weighted, divided by the
     global weight sum; `dflash_loss` is its cross-entropy alone.
@@ -277,9 +286,9 @@ def block_loss(
     denominator = denominator.clamp_min(torch.finfo(torch.float32).tiny)
     want_grad = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
 
-    loss, weighted_ce, weighted_kl, correct = _ChunkedLinearLoss.apply(
+    loss, weighted_ce, weighted_kl, correct, selected_candidates = _ChunkedLinearLoss.apply(
         selected_hidden, lm_head_weight, selected_labels, selected_ids, selected_logprobs, pos_weights, denominator,
-        float(ce_weight), float(kl_weight), chunk_size, want_grad
+        float(ce_weight), float(kl_weight), chunk_size, want_grad, int(candidates)
     )
     correct_by_position = torch.zeros(block, dtype=torch.long, device=device).index_add_(0, offsets, correct.long())
     count_by_position = torch.zeros(block, dtype=torch.long, device=device).index_add_(
@@ -293,6 +302,9 @@ def block_loss(
         "count_by_position": count_by_position,
         "num_tokens": count_by_position.sum(),
     }
+    if candidates:
+        every = torch.zeros((flat_labels.shape[0], candidates), dtype=torch.long, device=device)
+        stats["candidates"] = every.index_copy_(0, index, selected_candidates).reshape(*labels.shape, candidates)
     return loss, stats
 
 
@@ -305,6 +317,7 @@ def selector_loss(
     lm_head_weight: Tensor,
     block_ids: Tensor,
     labels: Tensor,
+    candidates: Tensor,
     weights: Tensor,
     global_weight_sum: Tensor | float,
     missing: str = "inject",
@@ -314,14 +327,17 @@ def selector_loss(
     with the true previous token as predecessor (the anchor at offset 1), under the block loss's position weights
     and global normalisation (`modeling_dflash.CandidateSelector`).
 
-    hidden [1, N * Bk, H] (the drafter's final hidden states), block_ids / labels [1, N, Bk]. A position counts where
-    its label and its predecessor are known (labels != -100; a predecessor that is an unsupervised position, e.g.
-    the last prompt token inside a block, drops the position). Where the true token is not among the top-k
-    candidates: ``inject`` puts it in place of the last candidate (SpecForge, vLLM speculators and ModelOpt do so),
-    ``drop`` leaves the position out (NeMo Automodel); either way `candidate_hits` / `candidate_positions` give the
-    candidate recall. U_t (the candidates' logits) keeps its gradient: the selector loss also trains the drafter's
-    logits. Memory: chunks of `chunk_rows` positions, each recomputed in backward (`checkpoint`), so only the chunk's
-    [rows, k, H] head rows live at a time.
+    hidden [1, N * Bk, H] (the drafter's final hidden states), block_ids / labels [1, N, Bk], candidates
+    [1, N, Bk, k]: the top-k of the drafter's logits at each supervised position, highest first, as the block loss
+    returns them (`block_loss(..., candidates=k)`: the logits it builds anyway; computing them again here made a
+    DFlash 2 step 1.36x a DFlash step on an H200, docs/benchmarks.md). A position counts where its label and its
+    predecessor are known (labels != -100; a predecessor that is an unsupervised position, e.g. the last prompt
+    token inside a block, drops the position). Where the true token is not among the top-k candidates: ``inject``
+    puts it in place of the last candidate (SpecForge, vLLM speculators and ModelOpt do so), ``drop`` leaves the
+    position out (NeMo Automodel); either way `candidate_hits` / `candidate_positions` give the candidate recall.
+    U_t (the candidates' logits) keeps its gradient: the selector loss also trains the drafter's logits. Memory:
+    chunks of `chunk_rows` positions, each recomputed in backward (`checkpoint`), so only the chunk's [rows, k, H]
+    head rows live at a time.
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -333,23 +349,22 @@ def selector_loss(
     predecessor = torch.cat([block_ids.reshape(-1, block_size)[:, :1], truth[:, :-1]], dim=1)
     valid = (truth != IGNORE_INDEX) & (predecessor != IGNORE_INDEX)
     rows_hidden, rows_truth, rows_pred = hidden[valid], truth[valid], predecessor[valid]
+    rows_candidates = candidates.reshape(-1, block_size, candidates.shape[-1])[:, 1:][valid]
     row_weights = weights[1:].to(hidden.device).expand_as(truth)[valid].float()
     head = lm_head_weight.detach()
 
-    def chunk_loss(h: Tensor, y: Tensor, a: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-        with torch.no_grad():
-            _, candidates = selector.candidates(h.to(head.dtype) @ head.T)
-            hit = candidates == y[:, None]
-            found = hit.any(-1)
-            if missing == "inject":
-                candidates[:, -1] = torch.where(found, candidates[:, -1], y)
-                hit[:, -1] |= ~found
-                keep = torch.ones_like(found)
-            else:
-                keep = found
-            index = hit.float().argmax(-1)
-        unary = torch.einsum("nh,nkh->nk", h.to(head.dtype), head[candidates]).float()
-        scores = selector.scores(selector.hidden_projection(h), a, unary, candidates).float()
+    def chunk_loss(h: Tensor, y: Tensor, a: Tensor, c: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        hit = c == y[:, None]
+        found = hit.any(-1)
+        if missing == "inject":
+            c = torch.cat([c[:, :-1], torch.where(found, c[:, -1], y)[:, None]], dim=1)
+            hit[:, -1] |= ~found
+            keep = torch.ones_like(found)
+        else:
+            keep = found
+        index = hit.float().argmax(-1)
+        unary = torch.einsum("nh,nkh->nk", h.to(head.dtype), head[c]).float()
+        scores = selector.scores(selector.hidden_projection(h), a, unary, c).float()
         ce = torch.nn.functional.cross_entropy(scores, index, reduction="none")
         return (w * ce * keep).sum(), found.sum()
 
@@ -357,9 +372,9 @@ def selector_loss(
     hits = torch.zeros((), dtype=torch.long, device=hidden.device)
     for start in range(0, rows_hidden.shape[0], chunk_rows):
         part = slice(start, start + chunk_rows)
-        args = (rows_hidden[part], rows_truth[part], rows_pred[part], row_weights[part])
+        args = (rows_hidden[part], rows_truth[part], rows_pred[part], rows_candidates[part], row_weights[part])
         loss, found = (checkpoint(chunk_loss, *args, use_reentrant=False) if torch.is_grad_enabled()
-                          else chunk_loss(*args))
+                       else chunk_loss(*args))
         total = total + loss
         hits = hits + found
     denominator = torch.as_tensor(global_weight_sum, dtype=torch.float32, device=total.device)

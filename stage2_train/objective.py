@@ -6,7 +6,9 @@ provides), the weight of each block offset [Bk], and the weight sum of the whole
 accumulation steps, so that the update does not depend on how the global batch is split). It returns the loss of
 this micro-batch, already divided by that sum, and its statistics (at least `correct_by_position` and
 `count_by_position`, [Bk] each, for the accuracy the loop logs; `terms`, optional: the loss's named parts, each
-divided by the global weight sum like the loss, which the loop logs as `loss_<name>`).
+divided by the global weight sum like the loss, which the loop logs as `loss_<name>`). Asked for `candidates=k`
+(a DFlash 2 drafter), it also returns the top-k of the drafter's logits at every supervised position
+(`stats["candidates"]`, `loss.dflash_loss`), which DFlash 2's selector loss scores.
 
 Adding an objective: a function here with this signature, its name in `LOSSES` (the `--loss` choices) and a line
 in `make_objective` (which binds the options it needs: options.py and the CLI), and its tests. An objective that
@@ -50,39 +52,42 @@ Objective = Callable[..., tuple[Any, dict[str, Any]]]
 
 
 def block_cross_entropy(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, position_weights: Tensor,
-                        global_weight_sum: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+                        global_weight_sum: Tensor, *, candidates: int = 0) -> tuple[Tensor, dict[str, Tensor]]:
     """The reference DFlash objective: cross-entropy against the target's own next tokens at block offsets
     1..Bk-1, weighted exp(-(k - 1) / gamma), normalised by the global weight sum (`loss.dflash_loss`: fused with the
     LM head, in chunks, float32)."""
     from dflash.stage2_train.loss import dflash_loss
 
-    return dflash_loss(hidden.to(lm_head.dtype), lm_head, batch.labels, position_weights, global_weight_sum)
+    return dflash_loss(hidden.to(lm_head.dtype), lm_head, batch.labels, position_weights, global_weight_sum,
+                       candidates=candidates)
 
 
 def block_kl(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, position_weights: Tensor,
-             global_weight_sum: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+             global_weight_sum: Tensor, *, candidates: int = 0) -> tuple[Tensor, dict[str, Tensor]]:
     """Distillation: KL(target || drafter) at the same positions, weights and normalisation as `ce`, from the
     target's top-k with its remaining mass as one "other" bucket (`loss.block_loss`, module docstring: why the
     bucket, and K = vocabulary size is the full KL). The cross-entropy is logged beside it (`loss_ce`)."""
-    return _distill(hidden, lm_head, batch, position_weights, global_weight_sum, ce_weight=0.0, kl_weight=1.0)
+    return _distill(hidden, lm_head, batch, position_weights, global_weight_sum, ce_weight=0.0, kl_weight=1.0,
+                    candidates=candidates)
 
 
 def block_mix(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, position_weights: Tensor,
-              global_weight_sum: Tensor, *, kl_weight: float = DEFAULT_KL_WEIGHT) -> tuple[Tensor, dict[str, Tensor]]:
+              global_weight_sum: Tensor, *, kl_weight: float = DEFAULT_KL_WEIGHT,
+              candidates: int = 0) -> tuple[Tensor, dict[str, Tensor]]:
     """(1 - w) * CE + w * KL with w = --kl-weight, both terms as in `ce` and `kl`, from one LM head product."""
     return _distill(hidden, lm_head, batch, position_weights, global_weight_sum, ce_weight=1.0 - kl_weight,
-                    kl_weight=kl_weight)
+                    kl_weight=kl_weight, candidates=candidates)
 
 
 def _distill(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, position_weights: Tensor, global_weight_sum: Tensor,
-             *, ce_weight: float, kl_weight: float) -> tuple[Tensor, dict[str, Any]]:
+             *, ce_weight: float, kl_weight: float, candidates: int) -> tuple[Tensor, dict[str, Any]]:
     from dflash.stage2_train.loss import block_loss
 
     if batch.topk_ids is None or batch.topk_logprobs is None:
         raise ValueError("this objective needs the target's top-k in the micro-batch (NEEDS_TARGET_TOPK)")
     loss, stats = block_loss(hidden.to(lm_head.dtype), lm_head, batch.labels, position_weights, global_weight_sum,
                              topk_ids=batch.topk_ids, topk_logprobs=batch.topk_logprobs, ce_weight=ce_weight,
-                             kl_weight=kl_weight)
+                             kl_weight=kl_weight, candidates=candidates)
     import torch
 
     denominator = torch.as_tensor(global_weight_sum, dtype=torch.float32, device=loss.device)

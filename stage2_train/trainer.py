@@ -190,11 +190,13 @@ def forward_loss(run: TrainingRun, micro: MicroBatch, global_weight_sum: Tensor)
     with run.accelerator.autocast():
         hidden = run.model(noise, micro.features, micro.layout.query_position_ids(),
                            micro.layout.context_position_ids(), micro.layout)
-    loss, stats = run.objective(hidden, run.lm_head, micro, run.position_weights, global_weight_sum)
     selector = getattr(run.accelerator.unwrap_model(run.model), "candidate_selector", None)
+    loss, stats = run.objective(hidden, run.lm_head, micro, run.position_weights, global_weight_sum,
+                                candidates=0 if selector is None else selector.top_k)
     if selector is not None:  # DFlash 2: plus the path selector's loss (--selector-weight)
         term, counts = selector_loss(selector, hidden, run.lm_head, micro.block_ids, micro.labels,
-                                     run.position_weights, global_weight_sum, missing=run.options.selector_missing)
+                                     stats.pop("candidates"), run.position_weights, global_weight_sum,
+                                     missing=run.options.selector_missing)
         stats.setdefault("terms", {})["block"] = loss.detach()
         stats["terms"]["selector"] = term.detach()
         loss = loss + run.options.selector_weight * term

@@ -18,7 +18,7 @@ from dflash.stage2_train.attention_masks import AnchorLayout, PackedLayout
 from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFLASH2_DEFAULTS, config_from_target
 from dflash.stage2_train.export import export_draft, load_draft
-from dflash.stage2_train.loss import position_weights, selector_loss
+from dflash.stage2_train.loss import dflash_loss, position_weights, selector_loss
 from dflash.stage2_train.modeling_dflash import CandidateSelector, GroupedDynamicConv, block_shift
 
 HIDDEN, BLOCK, VOCAB = 64, 4, 50
@@ -208,9 +208,11 @@ def test_selector_loss_equals_a_direct_computation() -> None:
     for position in range(1, BLOCK):  # make some true tokens the top logit, so that both kinds of position occur
         labels[0, 0, position] = int((hidden[0, position] @ head.T).argmax())
     weights = position_weights(BLOCK)
+    # The candidates as training gets them: from the block loss's logits (chunks of 7 rows: several chunks)
+    _, stats = dflash_loss(hidden, head, labels, weights, 3.0, chunk_size=7, candidates=SMALL["selector_top_k"])
     for missing in ("inject", "drop"):
-        loss, counts = selector_loss(selector, hidden, head, block_ids, labels, weights, 3.0, missing=missing,
-                                     chunk_rows=4)
+        loss, counts = selector_loss(selector, hidden, head, block_ids, labels, stats["candidates"], weights, 3.0,
+                                     missing=missing, chunk_rows=4)
         total, hits, positions = 0.0, 0, 0
         for j in range(n_blocks):
             for k in range(1, BLOCK):
@@ -243,8 +245,12 @@ def test_selector_loss_trains_the_selector_and_the_drafter() -> None:
     hidden = model(noise, context, layout.query_position_ids(), layout.context_position_ids(), layout)
     labels = torch.randint(0, VOCAB, (1, 6, BLOCK))
     labels[..., 0] = -100
-    loss, _ = selector_loss(model.candidate_selector, hidden.reshape(1, -1, HIDDEN), torch.randn(VOCAB, HIDDEN),
-                            torch.randint(0, VOCAB, (1, 6, BLOCK)), labels, position_weights(BLOCK), 1.0)
+    head = torch.randn(VOCAB, HIDDEN)
+    block, stats = dflash_loss(hidden.reshape(1, -1, HIDDEN), head, labels, position_weights(BLOCK), 1.0,
+                               candidates=model.candidate_selector.top_k)
+    loss, _ = selector_loss(model.candidate_selector, hidden.reshape(1, -1, HIDDEN), head,
+                            torch.randint(0, VOCAB, (1, 6, BLOCK)), labels, stats["candidates"], position_weights(BLOCK),
+                            1.0)
     loss.backward()
     for name in ("candidate_selector.successor_codebook", "layers.0.self_attn.q_proj.weight"):
         assert float(dict(model.named_parameters())[name].grad.abs().sum()) > 0, name

@@ -202,3 +202,28 @@ def test_objectives_bind_the_kl_weight_and_log_their_terms() -> None:
     assert LOSSES == ("ce", "kl", "mix")
     with pytest.raises(ValueError, match="top-k"):
         make_objective("kl")(h, w, MicroBatch(torch.zeros(1), torch.zeros(1), case["labels"], None), weights, total)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_candidates_are_the_top_k_of_the_drafter_logits_and_change_nothing_else(loss: str) -> None:
+    """`candidates=k` (what DFlash 2's selector loss scores) gives the top-k of the drafter's logits at every
+    supervised position, highest first, and zeros elsewhere, whatever the objective and chunking; the loss and its
+    gradient are the same as without it."""
+    data = problem(3, k=8)
+    micro = MicroBatch(features=torch.zeros(1), block_ids=torch.zeros(1), labels=data["labels"], layout=None,
+                       topk_ids=data["ids"], topk_logprobs=data["logprobs"])
+    objective = make_objective(loss)
+    results = []
+    for candidates in (0, 5):
+        hidden = data["hidden"].clone().requires_grad_(True)
+        value, stats = objective(hidden, data["head"], micro, data["weights"], 7.0, candidates=candidates)
+        value.backward()
+        results.append((value.detach(), hidden.grad, stats))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert "candidates" not in results[0][2]
+    got = results[1][2]["candidates"]
+    logits = data["hidden"].reshape(*data["labels"].shape, HIDDEN) @ data["head"].T
+    supervised = data["labels"] != IGNORE_INDEX
+    assert got.shape == (*data["labels"].shape, 5)
+    assert torch.equal(got[supervised], logits.topk(5, dim=-1).indices[supervised])
+    assert not got[~supervised].any()
