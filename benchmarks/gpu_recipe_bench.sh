@@ -15,6 +15,17 @@
 # LIVE_SAMPLES (20), LIVE_TOKENS (512), LIVE_FLAGS, and RESULTS_FROM: a folder of an earlier bench's results/*.json
 # (carried in the tree, e.g. from a lost machine's state.tgz): they are copied into $OUT/bench/results first, and
 # the bench skips every variant whose result is complete there.
+# Follow-ups on the same machine, each alone on the GPU after the bench, in this order (each optional):
+#   EVAL_ALONE=1    `dflash eval` of the best variant's drafter with its baselines (plain greedy, prompt lookup) on
+#                   MT-Bench and HumanEval, LIVE_SAMPLES x LIVE_TOKENS, alone: wall time per dataset, tokens/s,
+#                   speedup (issue 31) -> $OUT/eval_alone
+#   EVAL_DECODE=1   benchmarks/bench_eval_decode.py on that drafter: dynamic vs fast decode path, and the
+#                   Qwen3-8B-shaped verify cost (EVAL_DECODE_FLAGS) -> $OUT/eval_decode
+#   TRAIN_PROFILE="FLAGS;FLAGS..."  benchmarks/bench_train.py on the bench's cache, once per entry, with TRAIN_FLAGS
+#                   plus the entry's (e.g. "--architecture dflash;--architecture dflash2 --compile";
+#                   TRAIN_PROFILE_FLAGS: the benchmark's own options) -> $OUT/train_profile
+#   WARM_STEPS=N    a second bench ($OUT/bench_warm), N steps from the baseline's best drafter (--init-from): DFlash
+#                   trained on vs DFlash 2 grown from it (issue 28's warm start), validation at step N/2 and N
 #
 # The calls (one 30-minute device session; the machine goes back 30 s after a call returns, with everything on it,
 # so issue each call right after the previous one returns):
@@ -26,7 +37,7 @@
 #            sleep 480; bash benchmarks/gpu_recipe_bench.sh pack $OUT2
 #   then:    export OUT2=$OUT OUT=/tmp/gpu_out; cd /tmp/repo && sleep 560;
 #            bash benchmarks/gpu_recipe_bench.sh pack $OUT2
-#            (again until the log's last line is "recipe bench done"; the last call without the sleep)
+#            (again until recipe_bench_stages.tsv ends with "follow-ups done"; the last call without the sleep)
 # The table is in bench.md, every figure in bench.json; results/NAME.json is each variant's, complete as soon as
 # it finished.
 # Time, estimated from the H100 run of 2026-12-05 (docs/benchmarks.md; not measured with this script yet): the
@@ -85,3 +96,35 @@ $RECIPE_BENCH run --cache "$WORK/cache_fp8" --out "$BENCH" --steps "$STEPS" \
     --eval-every "$EVAL_EVERY" --untimed-steps "$UNTIMED_STEPS" --train-flags "$TRAIN_FLAGS" \
     --live-samples "$LIVE_SAMPLES" --live-new-tokens "$LIVE_TOKENS" --live-flags "$LIVE_FLAGS" "${variant_args[@]}"
 stage "recipe bench done (exit $?)"
+best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"] or "")' "$BENCH/bench.json" 2>/dev/null)
+drafter=$BENCH/runs/$best/export_best
+baseline=$BENCH/runs/${variant_args[1]%%=*}/export_best
+if [ "${EVAL_ALONE:-0}" = 1 ] && [ -f "$drafter/config.json" ]; then
+    python3 -m dflash.shared.cli eval --draft "$drafter" --data mtbench,humaneval --max-samples "$LIVE_SAMPLES" \
+        --max-new-tokens "$LIVE_TOKENS" --out "$OUT/eval_alone" >"$OUT/eval_alone.out" 2>&1
+    stage "eval alone of $best (exit $?)"
+fi
+if [ "${EVAL_DECODE:-0}" = 1 ] && [ -f "$drafter/config.json" ]; then
+    # shellcheck disable=SC2086
+    python3 benchmarks/bench_eval_decode.py --out "$OUT/eval_decode" --draft "$drafter" \
+        ${EVAL_DECODE_FLAGS:---prompts 3 --new-tokens 256} >"$OUT/eval_decode.out" 2>&1
+    stage "eval decode bench (exit $?)"
+fi
+IFS=';' read -ra profiles <<<"${TRAIN_PROFILE:-}"
+for flags in "${profiles[@]}"; do
+    read -r flags <<<"$flags"
+    [ -n "$flags" ] || continue
+    name=$(tr -c 'A-Za-z0-9_.-' _ <<<"$flags" | sed 's/--//g; s/^[_-]*//; s/[_-]*$//')
+    # shellcheck disable=SC2086
+    python3 benchmarks/bench_train.py --cache "$WORK/cache_fp8" --train-flags "$TRAIN_FLAGS $flags" --name "$name" \
+        ${TRAIN_PROFILE_FLAGS:---steps 20 --profile 3} --out "$OUT/train_profile" >"$OUT/train_profile_$name.out" 2>&1
+    stage "train profile $flags (exit $?)"
+done
+if [ -n "${WARM_STEPS:-}" ] && [ -f "$baseline/config.json" ]; then
+    $RECIPE_BENCH run --cache "$WORK/cache_fp8" --out "$OUT/bench_warm" --steps "$WARM_STEPS" \
+        --eval-every $(( WARM_STEPS / 2 )) --untimed-steps "$UNTIMED_STEPS" --train-flags "$TRAIN_FLAGS" \
+        --live-samples 0 --variant "trained_on=--init-from $baseline" \
+        --variant "dflash2_grown=--architecture dflash2 --init-from $baseline"
+    stage "warm-start bench (exit $?)"
+fi
+stage "follow-ups done"
