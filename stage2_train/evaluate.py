@@ -417,8 +417,7 @@ def _summarise(name: str, samples: list[dict[str, Any]], runs: dict[str, list[Sp
     tau = (sum(a + 1 for a in accepted) / len(accepted)) if accepted else math.nan
     stderr = tau_standard_error([sum(a + 1 for a in r.accepted) for r in runs["dflash"]],
                                 [len(r.accepted) for r in runs["dflash"]])
-    pld_forwards = sum(r.target_forwards or 0 for r in runs["prompt_lookup"])
-    pld_tokens = sum(len(r.tokens) for r in runs["prompt_lookup"])
+    lookup_accepted = [a for r in runs["prompt_lookup"] for a in r.accepted]
     speedup = {method: rates[method] / plain if plain and plain > 0 else math.nan
                for method in ("dflash", "prompt_lookup")}
     speedup_stderr = {method: speedup_standard_error(
@@ -449,7 +448,8 @@ def _summarise(name: str, samples: list[dict[str, Any]], runs: dict[str, list[Sp
         "speedup_stderr": speedup_stderr,
         "speedup_ci95": {method: [speedup[method] - 1.96 * speedup_stderr[method],
                                   speedup[method] + 1.96 * speedup_stderr[method]] for method in speedup},
-        "prompt_lookup_tokens_per_target_forward": pld_tokens / pld_forwards if pld_forwards else math.nan,
+        "prompt_lookup_tau": (sum(a + 1 for a in lookup_accepted) / len(lookup_accepted) if lookup_accepted
+                              else math.nan),
         "greedy_identical": sum(1 for s in samples if s.get("identical")) if greedy else None,
         "tie_divergences": sum(1 for s in samples if "tie_at" in s) if greedy else None,
         "prompt_lookup_identical": sum(1 for s in samples if s.get("prompt_lookup_identical")),
@@ -716,14 +716,11 @@ def run_eval(
     # Warm-up (untimed): first calls allocate and pick kernels.
     first_prompt = next(iter(prompts_by_dataset.values()))[0]
     first = first_prompt.ids or tokenize_prompt(tokenizer, first_prompt.messages, template_kwargs)
-    # transformers' assisted generation (prompt lookup) refuses stateful targets (recurrent layers cannot be cut back).
-    lookup_refused = "transformers refuses prompt lookup for stateful models" if getattr(
-        target, "_is_stateful", False) else None
-    if not baselines:
-        lookup_refused = "not run (--no-baselines)"
+    lookup_refused = None if baselines else "not run (--no-baselines)"
 
     def lookup(ids: list[int], n: int) -> SpecResult:
-        return SpecResult(tokens=[]) if lookup_refused else prompt_lookup_generate(target, ids, n, stops)
+        return SpecResult(tokens=[]) if lookup_refused else prompt_lookup_generate(target, ids, n, stops,
+                                                                                    decode=decode, capacity=capacity)
 
     log.info("evaluating %s with the target %s on %s (%d prompts): warming up", draft_dir, resolved.display_name,
              device, sum(len(prompts) for prompts in prompts_by_dataset.values()))

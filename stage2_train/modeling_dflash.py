@@ -1151,7 +1151,6 @@ class SpecResult:
     accepted: list[int] = field(default_factory=list)
     steps: int = 0
     seconds: float = 0.0
-    target_forwards: int | None = None  # prompt lookup: target forward calls made by `generate` (prefill included)
     decode: str = "dynamic"
 
     @property

@@ -1,5 +1,6 @@
 """The baselines DFlash speculative decoding is compared to: plain autoregressive decoding (also the losslessness
-reference) and transformers' prompt lookup decoding, plus the figures `dflash eval` reports per step.
+reference) and prompt lookup decoding (transformers' candidate finder, verified by the same runner), plus the
+figures `dflash eval` reports per step.
 
 The speculative loop itself is `modeling_dflash.speculative_generate` (the one loop, shipped with every export);
 plain decoding runs the target through the same `TargetRunner`.
@@ -23,6 +24,7 @@ from dflash.stage2_train.modeling_dflash import (
     prompt_ids,
     synchronize,
     target_runner,
+    verify_greedy,
 )
 
 
@@ -72,47 +74,57 @@ def prompt_lookup_generate(
     max_new_tokens: int,
     stop_token_ids: Sequence[int],
     num_tokens: int = 10,
+    max_ngram: int = 2,
+    decode: str = "auto",
+    capacity: int = 0,
 ) -> SpecResult:
-    """transformers' prompt lookup decoding (greedy), a training-free baseline.
+    """Prompt lookup decoding (greedy), a training-free baseline, run through the loop's `TargetRunner`.
 
-    transformers does not report acceptance counts; ``target_forwards`` counts the target forwards `generate`
-    made (its first one is the prefill, which may already verify candidates), so tokens / target_forwards is this
-    method's tokens per target step. ``accepted`` stays empty.
-    """
+    Each step proposes up to ``num_tokens`` tokens: those that followed the first earlier occurrence of the
+    sequence's last ``max_ngram`` (or fewer) tokens, as transformers' `PromptLookupCandidateGenerator` finds them
+    (used as is; what `generate(prompt_lookup_num_tokens=...)` uses); the target verifies them in one forward and
+    keeps the longest prefix equal to its own argmaxes, plus its next token. Written here rather than calling
+    transformers' `generate`, which runs eagerly over a DynamicCache and refuses stateful targets: on the loop's
+    decode path (``decode``, ``capacity`` as in `speculative_generate`: static caches and CUDA graphs on CUDA,
+    snapshot and rollback for hybrid targets) its speedup compares like with like with DFlash's and plain
+    decoding's. Lossless: its tokens equal plain greedy decoding's. ``accepted`` counts the accepted proposals of
+    each step (tau = tokens per target step)."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
     prompt = prompt_ids(input_ids)
     if max_new_tokens <= 0:
         return SpecResult(tokens=[])
-    device = next(target.parameters()).device
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)
-    stops = [int(t) for t in stop_token_ids]
-    calls = [0]
-
-    def count(_module: Any, _args: Any) -> None:
-        calls[0] += 1
-
-    handle = target.register_forward_pre_hook(count)
-    try:
-        synchronize(device)
-        started = time.perf_counter()
-        out = target.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            prompt_lookup_num_tokens=num_tokens,
-            eos_token_id=stops or None,
-            pad_token_id=stops[0] if stops else None,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-        )
-        synchronize(device)
-        seconds = time.perf_counter() - started
-    finally:
-        handle.remove()
-    new = [int(t) for t in out[0, len(prompt):].tolist()]
-    tokens, _ = clip_step(new, max_new_tokens, set(stops))
-    return SpecResult(tokens=tokens, steps=calls[0], seconds=seconds, target_forwards=calls[0])
+    stops = {int(t) for t in stop_token_ids}
+    finder = PromptLookupCandidateGenerator(
+        eos_token_id=torch.tensor(sorted(stops)) if stops else None, num_output_tokens=num_tokens,
+        max_matching_ngram_size=max_ngram, max_length=len(prompt) + max_new_tokens)
+    runner = target_runner(target, (), max(len(prompt) + max_new_tokens + num_tokens + 1, capacity), decode)
+    synchronize(runner.device)
+    started = time.perf_counter()
+    logits, _ = runner.forward(prompt, 0, last_only=True)
+    bonus = int(logits[-1].argmax())
+    tokens, accepted = [bonus], []
+    sequence = [*prompt, bonus]  # on the host: the lookup is a scan of a few thousand integers
+    start = len(prompt)
+    done = bonus in stops or len(tokens) >= max_new_tokens
+    while not done:
+        found, _ = finder.get_candidates(torch.tensor([sequence]))
+        block = torch.tensor([bonus, *found[0, len(sequence):].tolist()], device=runner.device)
+        target_logits, _ = runner.verify(block, start)
+        n_acc, emitted = verify_greedy(block[1:], target_logits)
+        next_token = emitted[-1]
+        emitted, done = clip_step(emitted, max_new_tokens - len(tokens), stops)
+        tokens.extend(emitted)
+        sequence.extend(emitted)
+        accepted.append(len(emitted) - 1)
+        if done:
+            break
+        start += n_acc + 1
+        runner.rollback(start)
+        bonus = next_token
+    synchronize(runner.device)
+    seconds = time.perf_counter() - started
+    return SpecResult(tokens=tokens, accepted=accepted, steps=len(accepted), seconds=seconds, decode=runner.path)
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

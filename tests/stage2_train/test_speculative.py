@@ -269,6 +269,28 @@ def test_sampling_mode_returns_valid_tokens(env: dict) -> None:
     assert again.tokens == result.tokens  # reproducible with a seeded generator
 
 
+def test_prompt_lookup_on_the_loop_equals_transformers_prompt_lookup_and_plain_greedy(env: dict) -> None:
+    """Prompt lookup through the loop's target runner (the baseline `dflash eval` times) against transformers' own
+    `generate(prompt_lookup_num_tokens=10)`, the reference, and plain greedy decoding: the same tokens, on the
+    dynamic and the static path; on a prompt the model copies, most proposals are accepted."""
+    ids = chat_ids(env, "Repeat this sentence twice, exactly: the quick brown fox jumps over the lazy dog near "
+                        "the old river bank.")
+    n = 40
+    plain = spec.greedy_generate(env["target"], ids, n, env["stops"])
+    with torch.inference_mode():
+        out = env["target"].generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=n, do_sample=False, prompt_lookup_num_tokens=10,
+                                     eos_token_id=list(env["stops"]), pad_token_id=list(env["stops"])[0],
+                                     temperature=None, top_p=None, top_k=None)
+    reference, _ = loop.clip_step(out[0, len(ids):].tolist(), n, set(env["stops"]))
+    for decode in ("dynamic", "static"):
+        lookup = spec.prompt_lookup_generate(env["target"], ids, n, env["stops"], decode=decode)
+        assert lookup.tokens == plain.tokens == reference, decode
+        check_counts(lookup)
+        assert lookup.tau > 2.0, (decode, lookup.tau, lookup.accepted)  # the copied sentence is found in the prompt
+        assert 0 in lookup.accepted  # and some proposals are refused, so rollback runs too
+
+
 def test_rejection_sampling_keeps_the_target_distribution() -> None:
     """On a 4-token vocabulary the first emitted token follows p exactly, whatever the draft distribution q."""
     p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])

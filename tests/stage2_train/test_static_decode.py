@@ -102,6 +102,19 @@ def test_static_path_tokens_equal_the_dynamic_path_and_plain_decoding(targets: d
         assert results["dynamic"].decode == "dynamic"
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_lookup_equals_plain_decoding_on_both_paths(targets: dict, family: str) -> None:
+    """The prompt-lookup baseline runs through the same runner, hybrid targets included (transformers' own refuses
+    them): its tokens equal plain greedy decoding's on the dynamic and the static path."""
+    target = targets[family]
+    prompt = list(range(200, 216)) * 3  # repeats: the lookup finds proposals
+    plain = spec.greedy_generate(target, prompt, 24, [2], decode="dynamic")
+    for decode in ("dynamic", "static"):
+        lookup = spec.prompt_lookup_generate(target, prompt, 24, [2], decode=decode)
+        assert lookup.tokens == plain.tokens, decode
+        assert len(lookup.tokens) == 1 + sum(a + 1 for a in lookup.accepted)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_partly_accepted_blocks_stay_lossless_on_the_static_path(targets: dict, family: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
