@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
