@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -49,6 +51,8 @@ def build_cache(root: Path, target: dict, samples: int, length: int, layer_ids: 
     hidden, feature_dim = target["hidden_size"], target["hidden_size"] * len(layer_ids)
     (root / cf.TARGET_DIR).mkdir(parents=True)
     (root / cf.TARGET_DIR / "config.json").write_text(json.dumps(target))
+    record = {"stop_token_ids": [151645 % target["vocab_size"]], "embed_scale": 1.0, "model_type": "qwen3"}
+    (root / cf.TARGET_DIR / cf.TARGET_RECORD_FILE).write_text(json.dumps(record))
     generator = torch.Generator().manual_seed(0)
     embed = (torch.randn(target["vocab_size"], hidden, generator=generator) * 0.02).to(torch.bfloat16)
     save_file({"embed_tokens.weight": embed, "lm_head.weight": embed.clone()},
@@ -153,8 +157,99 @@ def profile_steps(run_step, micro: dict, steps: int, device: torch.device) -> tu
     return summary, events.table(sort_by=sort_by, row_limit=30, max_name_column_width=70)
 
 
+PHASES = ("loader wait", "inputs", "forward", "objective", "selector loss", "backward", "optimizer")
+
+
+def real_options(cache: str, train_flags: str, out: Path):  # noqa: ANN201 - TrainOptions
+    """TrainOptions of `dflash train --cache CACHE TRAIN_FLAGS`, parsed by the CLI's own command (its defaults)."""
+    import click
+
+    from dflash.shared.object_store import resolve_cache
+    from dflash.stage2_train.cli import train_command
+    from dflash.stage2_train.options import TrainOptions
+
+    flags = [*shlex.split(train_flags), "--cache", cache, "--out", str(out), "--overwrite"]
+    try:
+        params = dict(train_command.make_context("train", flags).params)
+    except (click.exceptions.ClickException, click.exceptions.Exit) as error:
+        message = error.format_message() if isinstance(error, click.exceptions.ClickException) else "--help"
+        sys.exit(f"--train-flags: {message}")
+    params.pop("processes")
+    params["cache"] = resolve_cache(cache, read_through=bool(params.pop("local_copy")))
+    return TrainOptions(compile=params.pop("compile_"), **params)
+
+
+def phased_steps(run, next_batches, to_micros, steps: int) -> dict:  # noqa: ANN001
+    """`steps` training steps with the device synchronised after each phase: mean seconds per step of each phase
+    (PHASES) and its share. The phases are timed back to back, so they add up to the phased step; the
+    synchronisations make it slower than the unsynchronised step."""
+    from dflash.stage2_train.loss import weight_sum
+    from dflash.stage2_train.trainer import add_selector_loss, drafter_hidden, update_weights
+
+    accelerator, device, block_size = run.accelerator, run.device, run.options.block_size
+    seconds = dict.fromkeys(PHASES, 0.0)
+    clock = [0.0]
+
+    def lap(phase: str) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        seconds[phase] += now - clock[0]
+        clock[0] = now
+
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        clock[0] = time.perf_counter()
+        batches = next_batches()
+        lap("loader wait")
+        micros = to_micros(batches)
+        total = accelerator.reduce(sum(weight_sum(m.labels, run.position_weights) for m in micros).detach().clone(),
+                                   reduction="sum")
+        lap("inputs")
+        # What `accumulate_gradients` does, phase by phase (one process: no gradient synchronisation to skip).
+        step_loss = torch.zeros((), device=device)
+        correct, counted = torch.zeros(block_size, device=device), torch.zeros(block_size, device=device)
+        terms: dict = {}
+        counts: dict = {}
+        block_tokens = 0
+        for micro in micros:
+            hidden = drafter_hidden(run, micro)
+            lap("forward")
+            loss, stats = run.objective(hidden, run.lm_head, micro, run.position_weights, total)
+            lap("objective")
+            loss, stats = add_selector_loss(run, hidden, micro, total, loss, stats)
+            lap("selector loss")
+            accelerator.backward(loss * run.world)
+            lap("backward")
+            step_loss += loss.detach()
+            for name, value in stats.get("terms", {}).items():
+                terms[name] = terms.get(name, 0) + value.detach()
+            for name, value in stats.get("counts", {}).items():
+                counts[name] = counts.get(name, 0) + value
+            correct += stats["correct_by_position"].float()
+            counted += stats["count_by_position"].float()
+            block_tokens += int(micro.layout.block_valid.sum()) * block_size
+        update_weights(run, step_loss, terms, counts, correct, counted, block_tokens)  # clip, AdamW, schedule, record
+        lap("optimizer")
+    step = sum(seconds.values()) / steps
+    return {"steps": steps, "phased_step_s": step,
+            "phase_s": {phase: seconds[phase] / steps for phase in PHASES},
+            "share": {phase: seconds[phase] / steps / step for phase in PHASES}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cache", default=None,
+                        help="train on this cache extracted by `dflash extract` instead of a random Qwen3-8B-shaped "
+                             "one; the options are `dflash train`'s defaults and --train-flags")
+    parser.add_argument("--train-flags", default="",
+                        help="with --cache: `dflash train` flags (quoted), e.g. \"--batch-tokens 49152 "
+                             "--architecture dflash2 --compile\"")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="with --cache: training steps on loader batches before timing (compilations for the "
+                             "first shapes), after 3 steps on the first micro-batch")
+    parser.add_argument("--name", default=None, help="name of the result files (default: from the model and flags)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model, to check the script on CPU")
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--length", type=int, default=3072)
@@ -168,31 +263,45 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
-    if args.samples < args.batch * (args.steps + 1):  # the loader variant reads one first batch, then --steps
+    real = args.cache is not None
+    if real and (args.tiny or args.attention != "auto" or args.compile):
+        parser.error("with --cache, give --attention and --compile in --train-flags (and leave --tiny out)")
+    if not real and args.samples < args.batch * (args.steps + 1):  # the loader variant reads a first batch, then --steps
         parser.error(f"--samples must be at least --batch x (--steps + 1) = {args.batch * (args.steps + 1)}")
     from dflash.stage2_train.loss import weight_sum
     from dflash.stage2_train.options import TrainOptions
     from dflash.stage2_train.run_setup import setup_run
-    from dflash.stage2_train.trainer import forward_loss, micro_batch_inputs
+    from dflash.stage2_train.trainer import (accumulate_gradients, forward_loss, micro_batch_inputs, micro_batches,
+                                             step_batches, update_weights)
 
-    target = TINY if args.tiny else QWEN3_8B
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="dflash-train-bench-"))
     shutil.rmtree(work, ignore_errors=True)
-    started = time.time()
-    build_cache(work / "cache", target, args.samples, args.length, [1, 9, 17, 25, 33], shards=4)
-    print(f"cache built in {time.time() - started:.1f} s", flush=True)
-    # --batch sequences of --length tokens with 512 anchors each (every candidate up to the cap): the packed budget
-    # counts context and block tokens.
-    options = TrainOptions(cache=work / "cache", out=work / "run", max_steps=10**6, mask_token_id=151669 % target[
-        "vocab_size"], batch_tokens=args.batch * (args.length + 512 * 16), anchor_density=1.0, max_anchors=512,
-        eval_fraction=0.0, eval_every=0, checkpoint_every=0,
-        num_workers=args.workers, attention=args.attention, compile=args.compile,
-        mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    if real:
+        options = real_options(args.cache, args.train_flags, work / "run")
+        label = json.loads((Path(options.cache) / cf.MANIFEST_FILE).read_text())["identity"]["target_source"]
+        label = f"{label.split(':')[-1].rstrip('/').split('/')[-1].lower()}-real_{options.architecture}"
+    else:
+        target = TINY if args.tiny else QWEN3_8B
+        started = time.time()
+        build_cache(work / "cache", target, args.samples, args.length, [1, 9, 17, 25, 33], shards=4)
+        print(f"cache built in {time.time() - started:.1f} s", flush=True)
+        # --batch sequences of --length tokens with 512 anchors each (every candidate up to the cap): the packed
+        # budget counts context and block tokens.
+        options = TrainOptions(cache=work / "cache", out=work / "run", max_steps=10**6, mask_token_id=151669 % target[
+            "vocab_size"], batch_tokens=args.batch * (args.length + 512 * 16), anchor_density=1.0, max_anchors=512,
+            eval_fraction=0.0, eval_every=0, checkpoint_every=0,
+            num_workers=args.workers, attention=args.attention, compile=args.compile,
+            mixed_precision="bf16" if torch.cuda.is_available() else "no")
+        label = "tiny" if args.tiny else "qwen3-8b"
     run = setup_run(options)
     device = run.device
     params = sum(p.numel() for p in run.model.parameters())
 
     def run_step(micro) -> float:  # noqa: ANN001
+        """One optimizer step on one micro-batch: with --cache the trainer's own, else the benchmark's historic
+        step (no schedule, no metrics record)."""
+        if real:
+            return update_weights(run, *accumulate_gradients(run, [micro]))["loss"]
         total = run.accelerator.reduce(weight_sum(micro.labels, run.position_weights).detach().clone(), "sum")
         loss, _ = forward_loss(run, micro, total)
         run.accelerator.backward(loss)
@@ -205,29 +314,67 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    loader = iter(run.loader(0, 0))
-    first = micro_batch_inputs(run, next(loader))
+    if real:  # the trainer's loader (prefetching, epoch after epoch) and its micro-batches (the memory plan's)
+        steps = step_batches(run)
+        next_batches = steps.__next__
+
+        def to_micros(batches: list) -> list:
+            return [part for batch in batches for part in micro_batches(run, batch)]
+    else:
+        loader = iter(run.loader(0, 0))
+
+        def next_batches() -> list:
+            return [next(loader)]
+
+        def to_micros(batches: list) -> list:
+            return [micro_batch_inputs(run, batch) for batch in batches]
+    first = to_micros(next_batches())[0]
     for _ in range(3):  # warm-up: compilation of the flex kernels, allocator growth
         run_step(first)
+    if real:
+        for _ in range(args.warmup):
+            update_weights(run, *accumulate_gradients(run, to_micros(next_batches())))
     sync()
     results = {}
     for name in ("memory", "loader"):
-        flops = 0.0
+        flops, block_tokens, sequences, kept = 0.0, 0.0, 0, []
         sync()
         begin = time.perf_counter()
         for _ in range(args.steps):
-            micro = first if name == "memory" else micro_batch_inputs(run, next(loader))
-            flops += step_flops(run.config, micro)
-            run_step(micro)
+            if name == "memory":
+                micros = [first]
+            else:
+                micros = to_micros(next_batches())
+            if real:  # the FLOPs are counted after the timing, without its host synchronisations
+                update_weights(run, *accumulate_gradients(run, micros))
+                kept += [SimpleNamespace(layout=m.layout, labels=m.labels, sequences=m.sequences,
+                                         features=torch.empty(m.features.shape, device="meta")) for m in micros]
+            else:
+                flops += step_flops(run.config, micros[0])
+                run_step(micros[0])
         sync()
         seconds = time.perf_counter() - begin
-        block_tokens = args.steps * float(first.layout.block_valid.sum()) * 16
+        if real:
+            flops = sum(step_flops(run.config, m) for m in kept)
+            block_tokens = sum(float(m.layout.block_valid.sum()) for m in kept) * run.options.block_size
+            sequences = sum(m.sequences for m in kept)
+        else:
+            block_tokens = args.steps * float(first.layout.block_valid.sum()) * 16
+            sequences = args.steps * args.batch
         results[name] = {"step_s": seconds / args.steps, "tflops": flops / seconds / 1e12,
                          "mfu_vs_peak": flops / seconds / H200_PEAK, "mfu_vs_measured": flops / seconds / H200_MEASURED,
                          "block_tokens_per_s": block_tokens / seconds,
-                         "samples_per_s": args.steps * args.batch / seconds}
+                         "samples_per_s": sequences / seconds}
         print(name, json.dumps(results[name]), flush=True)
-    name = f"{'tiny' if args.tiny else 'qwen3-8b'}_{args.attention}{'_compile' if args.compile else ''}_{device.type}"
+    if not real:  # the phased pass reads the epoch again: --samples need only cover the loader variant
+        del loader
+        loader = iter(run.loader(0, 0))
+        next(loader)  # the workers' start, not a step's wait
+    phases = phased_steps(run, next_batches, to_micros, args.steps)
+    print("phases", json.dumps(phases), flush=True)
+    backend = run.accelerator.unwrap_model(run.model).attention.backend(device)  # what --attention auto chose
+    attention = backend if real else args.attention
+    name = args.name or f"{label}_{attention}{'_compile' if run.options.compile else ''}_{device.type}"
     profile_summary = None
     if args.profile:
         profile_summary, table = profile_steps(run_step, first, args.profile, device)
@@ -236,12 +383,21 @@ def main() -> None:
         print("profile", json.dumps(profile_summary), flush=True)
     summary = {"benchmark": "train", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "trainable_params": params,
-               "attention": args.attention, "compile": args.compile, "length": args.length, "batch": args.batch,
-               "anchors": 512, "block_size": 16,
-               "loader_workers": args.workers, "results": results,
+               "attention": args.attention if not real else run.options.attention, "attention_backend": backend,
+               "compile": run.options.compile, "block_size": run.options.block_size,
+               "results": results,
                "loader_overhead": results["loader"]["step_s"] / results["memory"]["step_s"] - 1,
-               "profile": profile_summary,
+               "phases": phases, "profile": profile_summary,
                "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None}
+    if real:
+        summary.update({"cache": str(args.cache), "train_flags": args.train_flags,
+                        "architecture": run.options.architecture, "batch_tokens": run.options.batch_tokens,
+                        "loader_workers": run.options.num_workers,
+                        "flops_counted": "drafter matmuls, attention and LM head as in step_flops"
+                        + ("; DFlash 2's dynamic convolutions and path selector are not counted"
+                           if run.options.architecture == "dflash2" else "")})
+    else:
+        summary.update({"length": args.length, "batch": args.batch, "anchors": 512, "loader_workers": args.workers})
     print(json.dumps(summary, indent=2))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"train_{name}.json").write_text(json.dumps(summary, indent=2) + "\n")

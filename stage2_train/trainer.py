@@ -185,14 +185,33 @@ def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
 
 def forward_loss(run: TrainingRun, micro: MicroBatch, global_weight_sum: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """The drafter's forward over one micro-batch and the objective's loss (divided by the global weight sum)."""
+    hidden = drafter_hidden(run, micro)
+    loss, stats = block_objective(run, hidden, micro, global_weight_sum)
+    return add_selector_loss(run, hidden, micro, global_weight_sum, loss, stats)
+
+
+def drafter_hidden(run: TrainingRun, micro: MicroBatch) -> Tensor:
+    """The drafter's forward over one micro-batch: its final hidden states of the block tokens."""
     batch, blocks, block_size = micro.block_ids.shape
     noise = torch.nn.functional.embedding(micro.block_ids.view(batch, blocks * block_size), run.embed)
     with run.accelerator.autocast():
-        hidden = run.model(noise, micro.features, micro.layout.query_position_ids(),
-                           micro.layout.context_position_ids(), micro.layout)
+        return run.model(noise, micro.features, micro.layout.query_position_ids(),
+                         micro.layout.context_position_ids(), micro.layout)
+
+
+def block_objective(run: TrainingRun, hidden: Tensor, micro: MicroBatch,
+                    global_weight_sum: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """`run.objective`'s loss of the drafter's hidden states; for DFlash 2 its stats also hold the top-k candidates
+    the path selector scores."""
     selector = getattr(run.accelerator.unwrap_model(run.model), "candidate_selector", None)
-    loss, stats = run.objective(hidden, run.lm_head, micro, run.position_weights, global_weight_sum,
-                                candidates=0 if selector is None else selector.top_k)
+    return run.objective(hidden, run.lm_head, micro, run.position_weights, global_weight_sum,
+                         candidates=0 if selector is None else selector.top_k)
+
+
+def add_selector_loss(run: TrainingRun, hidden: Tensor, micro: MicroBatch, global_weight_sum: Tensor, loss: Tensor,
+                      stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """`block_objective`'s `loss` and `stats`, plus DFlash 2's path selector loss where the drafter has a selector."""
+    selector = getattr(run.accelerator.unwrap_model(run.model), "candidate_selector", None)
     if selector is not None:  # DFlash 2: plus the path selector's loss (--selector-weight)
         term, counts = selector_loss(selector, hidden, run.lm_head, micro.block_ids, micro.labels,
                                      stats.pop("candidates"), run.position_weights, global_weight_sum,
