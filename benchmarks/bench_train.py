@@ -1,5 +1,21 @@
-"""Training throughput and MFU of `dflash train`'s step, fed by the cache loader and from in-memory tensors.
+"""Training throughput, MFU and time by phase of `dflash train`'s step, fed by the cache loader and from in-memory
+tensors.
 
+Real cache: `python benchmarks/bench_train.py --cache CACHE --train-flags "--batch-tokens 49152 --architecture
+dflash2 [--compile]" [--name smollm2-real] --steps 20 --warmup 10 --profile 3`: the run `dflash train --cache CACHE
+TRAIN_FLAGS` would set up (options parsed by the CLI itself, its defaults), its loader and micro-batches (the
+memory plan's) and its step (`accumulate_gradients` + `update_weights`). "loader" = those steps, "memory" = the
+first micro-batch again and again; FLOPs as below, of the drafter of the cache's target (DFlash 2's dynamic
+convolutions and path selector not counted). Results: train_NAME.json, NAME = MODEL-real_ARCHITECTURE_ATTENTION
+[_compile]_DEVICE unless --name.
+
+Both modes then time --steps more loader steps phase by phase, the device synchronised after each (so slower than
+the timed step; the phases add up to it): waiting for the loader batch, the micro-batches' inputs
+(`micro_batch_inputs`: layout and labels on the CPU, host-to-device copy, feature decode), the drafter's forward
+(attention masks built in it), the objective, DFlash 2's selector loss, backward, and `update_weights` (clip,
+AdamW, schedule, the step's metrics). --profile N profiles N in-memory steps (time by category, top kernels).
+
+Random cache (the default):
 A cache of random features (real cache format, written by the stage-1 writer) for a Qwen3-8B-shaped target:
 5 captured layers x 4096, sequences of --length tokens whose first 64 are prompt; a 5-layer drafter of the target's
 shape (1.05B trainable), block 16, up to 512 anchors per sequence. The same training run (`run_setup.setup_run`) runs both variants:
@@ -328,6 +344,7 @@ def main() -> None:
 
         def to_micros(batches: list) -> list:
             return [micro_batch_inputs(run, batch) for batch in batches]
+    warmup_began = time.perf_counter()
     first = to_micros(next_batches())[0]
     for _ in range(3):  # warm-up: compilation of the flex kernels, allocator growth
         run_step(first)
@@ -335,6 +352,7 @@ def main() -> None:
         for _ in range(args.warmup):
             update_weights(run, *accumulate_gradients(run, to_micros(next_batches())))
     sync()
+    warmup_s = time.perf_counter() - warmup_began  # with --compile: the compilations of the first shapes
     results = {}
     for name in ("memory", "loader"):
         flops, block_tokens, sequences, kept = 0.0, 0.0, 0, []
@@ -385,7 +403,7 @@ def main() -> None:
                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "trainable_params": params,
                "attention": args.attention if not real else run.options.attention, "attention_backend": backend,
                "compile": run.options.compile, "block_size": run.options.block_size,
-               "results": results,
+               "warmup_s": warmup_s, "results": results,
                "loader_overhead": results["loader"]["step_s"] / results["memory"]["step_s"] - 1,
                "phases": phases, "profile": profile_summary,
                "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None}
