@@ -205,6 +205,7 @@ def phased_steps(run, next_batches, to_micros, steps: int) -> dict:  # noqa: ANN
     accelerator, device, block_size = run.accelerator, run.device, run.options.block_size
     seconds = dict.fromkeys(PHASES, 0.0)
     clock = [0.0]
+    micro_count = 0
 
     def lap(phase: str) -> None:
         if device.type == "cuda":
@@ -220,6 +221,7 @@ def phased_steps(run, next_batches, to_micros, steps: int) -> dict:  # noqa: ANN
         batches = next_batches()
         lap("loader wait")
         micros = to_micros(batches)
+        micro_count += len(micros)
         total = accelerator.reduce(sum(weight_sum(m.labels, run.position_weights) for m in micros).detach().clone(),
                                    reduction="sum")
         lap("inputs")
@@ -249,7 +251,7 @@ def phased_steps(run, next_batches, to_micros, steps: int) -> dict:  # noqa: ANN
         update_weights(run, step_loss, terms, counts, correct, counted, block_tokens)  # clip, AdamW, schedule, record
         lap("optimizer")
     step = sum(seconds.values()) / steps
-    return {"steps": steps, "phased_step_s": step,
+    return {"steps": steps, "micro_batches_per_step": micro_count / steps, "phased_step_s": step,
             "phase_s": {phase: seconds[phase] / steps for phase in PHASES},
             "share": {phase: seconds[phase] / steps / step for phase in PHASES}}
 
