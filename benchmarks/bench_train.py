@@ -200,7 +200,7 @@ def phased_steps(run, next_batches, to_micros, steps: int) -> dict:  # noqa: ANN
     (PHASES) and its share. The phases are timed back to back, so they add up to the phased step; the
     synchronisations make it slower than the unsynchronised step."""
     from dflash.stage2_train.loss import weight_sum
-    from dflash.stage2_train.trainer import add_selector_loss, drafter_hidden, update_weights
+    from dflash.stage2_train.trainer import add_selector_loss, block_objective, drafter_hidden, update_weights
 
     accelerator, device, block_size = run.accelerator, run.device, run.options.block_size
     seconds = dict.fromkeys(PHASES, 0.0)
@@ -234,7 +234,7 @@ def phased_steps(run, next_batches, to_micros, steps: int) -> dict:  # noqa: ANN
         for micro in micros:
             hidden = drafter_hidden(run, micro)
             lap("forward")
-            loss, stats = run.objective(hidden, run.lm_head, micro, run.position_weights, total)
+            loss, stats = block_objective(run, hidden, micro, total)
             lap("objective")
             loss, stats = add_selector_loss(run, hidden, micro, total, loss, stats)
             lap("selector loss")
