@@ -117,7 +117,7 @@ for flags in "${profiles[@]}"; do
     name=$(tr -c 'A-Za-z0-9_.-' _ <<<"$flags" | sed 's/--//g; s/^[_-]*//; s/[_-]*$//')
     # shellcheck disable=SC2086
     python3 benchmarks/bench_train.py --cache "$WORK/cache_fp8" --train-flags "$TRAIN_FLAGS $flags" --name "$name" \
-        ${TRAIN_PROFILE_FLAGS:---steps 20 --profile 3} --out "$OUT/train_profile" >"$OUT/train_profile_$name.out" 2>&1
+        ${TRAIN_PROFILE_FLAGS:---steps 20 --warmup 10 --profile 3} --out "$OUT/train_profile" >"$OUT/train_profile_$name.out" 2>&1
     stage "train profile $flags (exit $?)"
 done
 if [ -n "${WARM_STEPS:-}" ] && [ -f "$baseline/config.json" ]; then
