@@ -50,8 +50,9 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
               show_default=True, help="dflash2: weight of the path selector's loss beside the block loss.")
 @click.option("--selector-missing", type=click.Choice(SELECTOR_MISSING), default=TrainOptions.selector_missing,
               show_default=True,
-              help="dflash2: where the true token is not among the candidates, inject it (in place of the last "
-                   "candidate) or drop the position from the selector loss. The run logs the candidate recall.")
+              help="dflash2: where the true token is not among the candidates, drop the position from the "
+                   "selector loss (measured better: docs/benchmarks.md) or inject it (in place of the last "
+                   "candidate). The run logs the candidate recall.")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=TrainOptions.lr, show_default=True,
               help="Peak learning rate of AdamW (warm-up, then cosine to 0).")
 @click.option("--warmup", type=float, default=TrainOptions.warmup, show_default=True,
