@@ -200,7 +200,8 @@ def phased_steps(run, next_batches, to_micros, steps: int) -> dict:  # noqa: ANN
     (PHASES) and its share. The phases are timed back to back, so they add up to the phased step; the
     synchronisations make it slower than the unsynchronised step."""
     from dflash.stage2_train.loss import weight_sum
-    from dflash.stage2_train.trainer import add_selector_loss, block_objective, drafter_hidden, update_weights
+    from dflash.stage2_train.trainer import (StepTally, add_selector_loss, block_objective, drafter_hidden,
+                                             update_weights)
 
     accelerator, device, block_size = run.accelerator, run.device, run.options.block_size
     seconds = dict.fromkeys(PHASES, 0.0)
@@ -226,11 +227,7 @@ def phased_steps(run, next_batches, to_micros, steps: int) -> dict:  # noqa: ANN
                                    reduction="sum")
         lap("inputs")
         # What `accumulate_gradients` does, phase by phase (one process: no gradient synchronisation to skip).
-        step_loss = torch.zeros((), device=device)
-        correct, counted = torch.zeros(block_size, device=device), torch.zeros(block_size, device=device)
-        terms: dict = {}
-        counts: dict = {}
-        block_tokens = 0
+        tally = StepTally.empty(block_size, device)
         for micro in micros:
             hidden = drafter_hidden(run, micro)
             lap("forward")
@@ -240,15 +237,8 @@ def phased_steps(run, next_batches, to_micros, steps: int) -> dict:  # noqa: ANN
             lap("selector loss")
             accelerator.backward(loss * run.world)
             lap("backward")
-            step_loss += loss.detach()
-            for name, value in stats.get("terms", {}).items():
-                terms[name] = terms.get(name, 0) + value.detach()
-            for name, value in stats.get("counts", {}).items():
-                counts[name] = counts.get(name, 0) + value
-            correct += stats["correct_by_position"].float()
-            counted += stats["count_by_position"].float()
-            block_tokens += int(micro.layout.block_valid.sum()) * block_size
-        update_weights(run, step_loss, terms, counts, correct, counted, block_tokens)  # clip, AdamW, schedule, record
+            tally.add(loss, stats, micro)
+        update_weights(run, tally)  # clip, AdamW, schedule, record
         lap("optimizer")
     step = sum(seconds.values()) / steps
     return {"steps": steps, "micro_batches_per_step": micro_count / steps, "phased_step_s": step,
@@ -319,7 +309,7 @@ def main() -> None:
         """One optimizer step on one micro-batch: with --cache the trainer's own, else the benchmark's historic
         step (no schedule, no metrics record)."""
         if real:
-            return update_weights(run, *accumulate_gradients(run, [micro]))["loss"]
+            return update_weights(run, accumulate_gradients(run, [micro]))["loss"]
         total = run.accelerator.reduce(weight_sum(micro.labels, run.position_weights).detach().clone(), "sum")
         loss, _ = forward_loss(run, micro, total)
         run.accelerator.backward(loss)
@@ -352,7 +342,7 @@ def main() -> None:
         run_step(first)
     if real:
         for _ in range(args.warmup):
-            update_weights(run, *accumulate_gradients(run, to_micros(next_batches())))
+            update_weights(run, accumulate_gradients(run, to_micros(next_batches())))
     sync()
     warmup_s = time.perf_counter() - warmup_began  # with --compile: the compilations of the first shapes
     results = {}
@@ -366,7 +356,7 @@ def main() -> None:
             else:
                 micros = to_micros(next_batches())
             if real:  # the FLOPs are counted after the timing, without its host synchronisations
-                update_weights(run, *accumulate_gradients(run, micros))
+                update_weights(run, accumulate_gradients(run, micros))
                 kept += [SimpleNamespace(layout=m.layout, labels=m.labels, sequences=m.sequences,
                                          features=torch.empty(m.features.shape, device="meta")) for m in micros]
             else:

@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -248,7 +249,7 @@ def train_step(run: TrainingRun, loader_batches: list[dict[str, Any]],
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
         retry_smaller(run, loader_batches, reason)
-    return update_weights(run, *accumulated)
+    return update_weights(run, accumulated)
 
 
 def retry_smaller(run: TrainingRun, loader_batches: list[dict[str, Any]], reason: str) -> None:
@@ -270,39 +271,54 @@ def retry_smaller(run: TrainingRun, loader_batches: list[dict[str, Any]], reason
     run.memory = smaller
 
 
-def accumulate_gradients(run: TrainingRun, micro_batches: list[MicroBatch]
-                         ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor], Tensor, Tensor, int]:
-    """Forward and backward over this rank's micro-batches of a global step, gradients accumulated; returns the
-    step's summed loss, its named loss terms, the correct and counted labels by block offset, and the block
-    tokens, for `update_weights`."""
-    accelerator, options = run.accelerator, run.options
+@dataclass
+class StepTally:
+    """What the micro-batches of one optimizer step add up to on this process, for `update_weights`: the summed
+    loss, the objective's named terms (e.g. ce and kl of --loss mix), DFlash 2's candidate hits and positions, the
+    correct and counted labels by block offset, and the block tokens."""
+
+    loss: Tensor
+    correct: Tensor
+    counted: Tensor
+    terms: dict[str, Tensor] = field(default_factory=dict)
+    counts: dict[str, Tensor] = field(default_factory=dict)
+    block_tokens: int = 0
+
+    @classmethod
+    def empty(cls, block_size: int, device: torch.device) -> StepTally:
+        return cls(loss=torch.zeros((), device=device), correct=torch.zeros(block_size, device=device),
+                   counted=torch.zeros(block_size, device=device))
+
+    def add(self, loss: Tensor, stats: dict[str, Any], micro: MicroBatch) -> None:
+        """One micro-batch's loss and `forward_loss` stats."""
+        self.loss += loss.detach()
+        for name, value in stats.get("terms", {}).items():
+            self.terms[name] = self.terms.get(name, 0) + value.detach()
+        for name, value in stats.get("counts", {}).items():
+            self.counts[name] = self.counts.get(name, 0) + value
+        self.correct += stats["correct_by_position"].float()
+        self.counted += stats["count_by_position"].float()
+        self.block_tokens += int(micro.layout.block_valid.sum()) * self.correct.shape[0]
+
+
+def accumulate_gradients(run: TrainingRun, micro_batches: list[MicroBatch]) -> StepTally:
+    """Forward and backward over this rank's micro-batches of a global step, gradients accumulated; returns what
+    they add up to, for `update_weights`."""
+    accelerator = run.accelerator
     local_weight = sum(weight_sum(m.labels, run.position_weights) for m in micro_batches)
     total_weight = accelerator.reduce(local_weight.detach().clone(), reduction="sum")
-    step_loss = torch.zeros((), device=run.device)
-    correct = torch.zeros(options.block_size, device=run.device)
-    counted = torch.zeros(options.block_size, device=run.device)
-    terms: dict[str, Tensor] = {}  # the objective's named loss terms (e.g. ce and kl of --loss mix)
-    counts: dict[str, Tensor] = {}  # DFlash 2: candidate hits and positions, for the candidate recall
-    block_tokens = 0
+    tally = StepTally.empty(run.options.block_size, run.device)
     for i, micro in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with nullcontext() if last else accelerator.no_sync(run.model):
             loss, stats = forward_loss(run, micro, total_weight)
             # DDP averages gradients over processes; the loss is already globally normalised.
             accelerator.backward(loss * run.world)
-        step_loss += loss.detach()
-        for name, value in stats.get("terms", {}).items():
-            terms[name] = terms.get(name, 0) + value.detach()
-        for name, value in stats.get("counts", {}).items():
-            counts[name] = counts.get(name, 0) + value
-        correct += stats["correct_by_position"].float()
-        counted += stats["count_by_position"].float()
-        block_tokens += int(micro.layout.block_valid.sum()) * options.block_size
-    return step_loss, terms, counts, correct, counted, block_tokens
+        tally.add(loss, stats, micro)
+    return tally
 
 
-def update_weights(run: TrainingRun, step_loss: Tensor, terms: dict[str, Tensor], counts: dict[str, Tensor],
-                   correct: Tensor, counted: Tensor, block_tokens: int) -> dict[str, Any]:
+def update_weights(run: TrainingRun, tally: StepTally) -> dict[str, Any]:
     """The optimizer step after `accumulate_gradients`; returns the step's metrics record."""
     accelerator, options = run.accelerator, run.options
     if options.clip:
@@ -311,18 +327,18 @@ def update_weights(run: TrainingRun, step_loss: Tensor, terms: dict[str, Tensor]
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.state.step += 1
-    global_loss = accelerator.reduce(step_loss, reduction="sum")
-    correct = accelerator.reduce(correct, reduction="sum")
-    counted = accelerator.reduce(counted, reduction="sum")
+    global_loss = accelerator.reduce(tally.loss, reduction="sum")
+    correct = accelerator.reduce(tally.correct, reduction="sum")
+    counted = accelerator.reduce(tally.counted, reduction="sum")
     record = {"step": run.state.step, "loss": float(global_loss), "lr": run.scheduler.get_last_lr()[0],
               "accuracy": float(correct[1:].sum() / counted[1:].sum().clamp(min=1)),
               "labels": int(counted[1:].sum()),  # supervised drafted tokens in the global batch
-              "block_tokens": block_tokens * run.world}
-    for name in sorted(terms):
-        record[f"loss_{name}"] = float(accelerator.reduce(terms[name], reduction="sum"))
-    if counts:  # DFlash 2: how often the true token is among the selector's candidates
-        hits = float(accelerator.reduce(counts["candidate_hits"].float(), reduction="sum"))
-        positions = float(accelerator.reduce(counts["candidate_positions"].float(), reduction="sum"))
+              "block_tokens": tally.block_tokens * run.world}
+    for name in sorted(tally.terms):
+        record[f"loss_{name}"] = float(accelerator.reduce(tally.terms[name], reduction="sum"))
+    if tally.counts:  # DFlash 2: how often the true token is among the selector's candidates
+        hits = float(accelerator.reduce(tally.counts["candidate_hits"].float(), reduction="sum"))
+        positions = float(accelerator.reduce(tally.counts["candidate_positions"].float(), reduction="sum"))
         record["candidate_recall"] = hits / max(positions, 1.0)
     return record
 
