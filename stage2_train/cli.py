@@ -112,7 +112,8 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
               help="auto = flex_attention on CUDA for drafters of hidden size >= 2048 (SDPA is faster below: "
                    "measured), SDPA with an explicit mask on CPU.")
 @click.option("--compile", "compile_", is_flag=True,
-              help="torch.compile each drafter layer, in each training process (masks are built eagerly).")
+              help="torch.compile each drafter layer, in each training process (masks are built eagerly). "
+                   "Crashed on torch 2.11 CUDA when packed batch shapes vary (docs/benchmarks.md).")
 @click.option("--fsdp", is_flag=True,
               help="Shard the drafter with FSDP instead of DDP (GPUs only; eval and export gather the weights).")
 @click.option("--mixed-precision", type=click.Choice(["auto", "bf16", "no"]), default=TrainOptions.mixed_precision,
