@@ -40,7 +40,7 @@ def test_dflash2_trains_exports_and_evaluates(train_cache: Path, tmp_path: Path)
     assert config["auto_map"]["AutoModel"] == "modeling_dflash.DFlash2DraftModel"
     assert json.loads((run / "test_results.json").read_text())["tau_walk"] >= 1.0
     result = run_dflash("eval", "--draft", str(run / "export_best"), "--data", "heldout", "--max-samples", "2",
-                        "--max-new-tokens", "16", "--out", str(tmp_path / "eval"))
+                        "--max-new-tokens", "16", "--threads", "1", "--out", str(tmp_path / "eval"))  # as test_train.py
     assert result.returncode == 0, result.stderr[-3000:]
     heldout = json.loads((tmp_path / "eval" / "eval.json").read_text())["datasets"]["heldout"]
     assert heldout["tau"] >= 1.0 and heldout["greedy_identical"] + heldout["tie_divergences"] == 2

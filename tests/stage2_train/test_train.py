@@ -109,9 +109,11 @@ def test_train_learns_beats_untrained_and_exports_the_reference_format(train_cac
     assert f"test split, 4 sequences never used for training or selection: tau {test['tau_walk']:.3f}" in (
         result.stderr.strip().splitlines()[-1])
 
-    # Live speculative decoding on test-split sequences, next to the offline walk over them (CLI).
+    # Live speculative decoding on test-split sequences, next to the offline walk over them (CLI). One thread: the
+    # many small ops of decoding slow down ~4x when torch's 2 threads share the 2 cores with another test process
+    # (measured: 125 s with the default threads, 35 s with --threads 1, beside another test run).
     result = run_dflash("eval", "--draft", str(export), "--data", "heldout", "--max-samples", "3",
-                        "--max-new-tokens", "24", "--out", str(tmp_path / "eval"))
+                        "--max-new-tokens", "24", "--threads", "1", "--out", str(tmp_path / "eval"))
     assert result.returncode == 0, result.stderr[-3000:]
     heldout = json.loads((tmp_path / "eval" / "eval.json").read_text())["datasets"]["heldout"]
     assert heldout["prompts"] == 3 and heldout["offline"]["sequences"] == 3 and heldout["split"] == "test"
