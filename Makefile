@@ -37,10 +37,12 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 # Test files are spread over TEST_WORKERS processes (pytest-xdist), each file whole in one of them (its module
-# fixtures built once); 0 runs them in this process.
+# fixtures built once); 0 runs them in this process. With several, torch gets one thread in each process (tests and
+# the commands they run): two processes of 2 threads each on 2 cores slow small ops down several times over
+# (docs/tests.md); a test or command that sets its own thread count still does.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) \
+	$(if $(filter-out 0 1,$(TEST_WORKERS)),OMP_NUM_THREADS=1 )$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) \
 		--durations=15 -m "not slow and not reliability" tests
 
 # The bad-input tour (tests/end_to_end/test_bad_input_tour.py) and the randomized kill campaign (10 random kills per
