@@ -519,7 +519,8 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     lines += _parity_lines(report)
     lines += ["", "tau = mean over speculative steps of (accepted drafts + 1); s.e. = its standard error over prompts "
               "(95 % interval: tau +- 1.96 s.e.). Plain = autoregressive decoding of the "
-              "same target with a KV cache; prompt lookup = transformers `prompt_lookup_num_tokens=10`, greedy. "
+              "same target with a KV cache; prompt lookup = up to 10 tokens found by transformers' "
+              "`PromptLookupCandidateGenerator`, verified greedily by the same target runner. "
               "Speedup = tokens/s over plain decoding's tokens/s, pooled over prompts; its s.e. is over prompts.", ""]
     lines += _per_prompt_lines(report)
     path.write_text("\n".join(lines))
