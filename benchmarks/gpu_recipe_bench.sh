@@ -40,12 +40,14 @@
 #            (again until recipe_bench_stages.tsv ends with "follow-ups done"; the last call without the sleep)
 # The table is in bench.md, every figure in bench.json; results/NAME.json is each variant's, complete as soon as
 # it finished.
-# Time, estimated from the H100 run of 2026-12-05 (docs/benchmarks.md; not measured with this script yet): the
-# cache ~2 min (GGUF conversion 50 s, extraction 63 s); per variant ~70-110 s of start-up, evaluations (the
-# untrained one ~25-45 s, then ~10-17 s each over 227 sequences), test split and export, plus 0.2-0.37 s per step
-# (0.37 was this recipe's step beside another run); live tau ~4 min (4 evaluations side by side took 227 s). So the
-# default 4 variants x 400 steps take ~16-23 min after call 2 starts, ~19-26 min of device time with the machine's
-# start and call 1: within one session, barely at the slow end (then STEPS=300, or three variants).
+# Time, measured on an H100 on 2026-12-05 (benchmarks/results/h100_dflash2_drop_and_fast_eval_2026-12-05): the
+# machine's start and call 1 ~130 s; `model` (GGUF conversion) ~60 s; the cache 77 s; per variant ~110-125 s of
+# start-up, evaluations (the untrained one ~20-25 s), test split and export, plus 0.32 s per step (DFlash) or
+# 0.40-0.43 s (DFlash 2) at --batch-tokens 49152: 206-228 s per variant at 300 steps; live tau (4 evaluations of
+# 20 x 512 side by side) 130 s. Follow-ups: EVAL_ALONE 153 s, EVAL_DECODE 113 s, a train profile 40-55 s (85 s
+# until --compile crashed), WARM_STEPS=150 about 4-5 min. So three variants x 300 steps with live tau take ~16 min
+# of device time with the machine's start; the default 4 variants x 400 steps ~22 min: one question a session,
+# with room for one or two follow-ups.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 WORK=${WORK:-/tmp/dflash_work}
