@@ -252,11 +252,16 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return float(dflash_value(self.config, "embed_scale", 1.0))
 
     def _init_weights(self, module: nn.Module) -> None:
-        """Reference initialisation: Linear ~ N(0, initializer_range), RMSNorm weights = 1."""
+        """Reference initialisation: Linear ~ N(0, initializer_range), RMSNorm weights = 1; the rotary embedding's
+        buffers by transformers' own rule (transformers 5 builds a model loaded with `from_pretrained` on the meta
+        device and fills what the checkpoint lacks here: without it `rotary_emb.inv_freq` was left uninitialised
+        memory in `AutoModel`-loaded exports, and decoding read garbage frequencies, at times NaN)."""
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, Qwen3RMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, Qwen3RotaryEmbedding):
+            super()._init_weights(module)
 
     def window(self, layer_type: str) -> int | None:
         """The sliding window of a layer type (None: full attention)."""

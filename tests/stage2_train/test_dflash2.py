@@ -317,12 +317,15 @@ def test_auto_model_spec_generate_equals_dflash_eval(family: str, tmp_path: Path
     torch.manual_seed(0)
     draft = loop.drafter_for(cfg).eval()
     randomise_added_parts(draft)
+    buffers = {name: buffer.clone() for name, buffer in draft.named_buffers()}
     export_draft(draft, tmp_path / "export", {"identity": {}})
     draft = draft.to(torch.bfloat16).float()
     loaded = AutoModel.from_pretrained(tmp_path / "export", trust_remote_code=True, dtype=torch.float32).eval()
     assert type(loaded).__name__ == "DFlash2DraftModel"
     for name, tensor in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+    for name, buffer in loaded.named_buffers():  # the rotary frequencies, not in the state dict: computed
+        assert torch.equal(buffer, buffers[name]), name
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     prompt = list(range(200, 220))
     for temperature in (0.0, 0.8):

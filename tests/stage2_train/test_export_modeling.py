@@ -83,6 +83,7 @@ def test_auto_model_spec_generate_equals_dflash_eval(family: str, tmp_path: Path
     config = config_from_target(target.config.to_dict(), LAYER_IDS, 1, BLOCK, 5, embed_scale=scale)
     torch.manual_seed(0)
     draft = DFlashDraftModel(config).eval()
+    buffers = {name: buffer.clone() for name, buffer in draft.named_buffers()}
     export_draft(draft, tmp_path / "export", {"identity": {}})
     draft = draft.to(torch.bfloat16).float()  # what the export holds
 
@@ -91,6 +92,11 @@ def test_auto_model_spec_generate_equals_dflash_eval(family: str, tmp_path: Path
     assert sorted(loaded.state_dict()) == sorted(draft.state_dict())
     for name, tensor in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+    # The buffers the state dict leaves out (the rotary frequencies), which transformers 5 fills after loading on
+    # the meta device: computed, not left uninitialised.
+    assert buffers and {name: b for name, b in loaded.named_buffers()}.keys() == buffers.keys()
+    for name, buffer in loaded.named_buffers():
+        assert torch.equal(buffer, buffers[name]), name
     shipped = sys.modules[type(loaded).__module__]  # the export's own copy of the modeling file
 
     embed = target.get_input_embeddings().weight
