@@ -320,7 +320,8 @@ def selector_loss(
     candidates: Tensor,
     weights: Tensor,
     global_weight_sum: Tensor | float,
-    missing: str = "inject",
+    *,
+    missing: str,
     chunk_rows: int = SELECTOR_CHUNK_ROWS,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DFlash 2's path-selector loss of one micro-batch: cross-entropy over the k candidates of S_t(y_{t-1}, .),
@@ -329,10 +330,11 @@ def selector_loss(
 
     hidden [1, N * Bk, H] (the drafter's final hidden states), block_ids / labels [1, N, Bk], candidates
     [1, N, Bk, k]: the top-k of the drafter's logits at each supervised position, highest first, as the block loss
-    returns them (`block_loss(..., candidates=k)`: the logits it builds anyway; computing them again here made a
-    DFlash 2 step 1.36x a DFlash step on an H200, docs/benchmarks.md). A position counts where its label and its
-    predecessor are known (labels != -100; a predecessor that is an unsupervised position, e.g. the last prompt
-    token inside a block, drops the position). Where the true token is not among the top-k candidates: ``inject``
+    returns them (`block_loss(..., candidates=k)`: from the logits it builds anyway, so that each position takes one
+    LM-head product, not three). A position counts where its label and its predecessor are known (labels != -100;
+    a predecessor that is an unsupervised position, e.g. the last prompt token inside a block, drops the position).
+    ``missing`` (the run's `--selector-missing`; no default here, the option has the one): where the true token is
+    not among the top-k candidates, ``inject``
     puts it in place of the last candidate (SpecForge, vLLM speculators and ModelOpt do so), ``drop`` leaves the
     position out (NeMo Automodel); either way `candidate_hits` / `candidate_positions` give the candidate recall.
     U_t (the candidates' logits) keeps its gradient: the selector loss also trains the drafter's logits. Memory:

@@ -200,11 +200,16 @@ def drafter_hidden(run: TrainingRun, micro: MicroBatch) -> Tensor:
                          micro.layout.context_position_ids(), micro.layout)
 
 
+def candidate_selector(run: TrainingRun) -> torch.nn.Module | None:
+    """The drafter's DFlash 2 path selector (None for a DFlash drafter)."""
+    return getattr(run.accelerator.unwrap_model(run.model), "candidate_selector", None)
+
+
 def block_objective(run: TrainingRun, hidden: Tensor, micro: MicroBatch,
                     global_weight_sum: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """`run.objective`'s loss of the drafter's hidden states; for DFlash 2 its stats also hold the top-k candidates
     the path selector scores."""
-    selector = getattr(run.accelerator.unwrap_model(run.model), "candidate_selector", None)
+    selector = candidate_selector(run)
     return run.objective(hidden, run.lm_head, micro, run.position_weights, global_weight_sum,
                          candidates=0 if selector is None else selector.top_k)
 
@@ -212,7 +217,7 @@ def block_objective(run: TrainingRun, hidden: Tensor, micro: MicroBatch,
 def add_selector_loss(run: TrainingRun, hidden: Tensor, micro: MicroBatch, global_weight_sum: Tensor, loss: Tensor,
                       stats: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """`block_objective`'s `loss` and `stats`, plus DFlash 2's path selector loss where the drafter has a selector."""
-    selector = getattr(run.accelerator.unwrap_model(run.model), "candidate_selector", None)
+    selector = candidate_selector(run)
     if selector is not None:  # DFlash 2: plus the path selector's loss (--selector-weight)
         term, counts = selector_loss(selector, hidden, run.lm_head, micro.block_ids, micro.labels,
                                      stats.pop("candidates"), run.position_weights, global_weight_sum,

@@ -250,7 +250,7 @@ def test_selector_loss_trains_the_selector_and_the_drafter() -> None:
                                candidates=model.candidate_selector.top_k)
     loss, _ = selector_loss(model.candidate_selector, hidden.reshape(1, -1, HIDDEN), head,
                             torch.randint(0, VOCAB, (1, 6, BLOCK)), labels, stats["candidates"], position_weights(BLOCK),
-                            1.0)
+                            1.0, missing="inject")
     loss.backward()
     for name in ("candidate_selector.successor_codebook", "layers.0.self_attn.q_proj.weight"):
         assert float(dict(model.named_parameters())[name].grad.abs().sum()) > 0, name
