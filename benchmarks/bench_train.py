@@ -268,6 +268,12 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="train with --compile (each decoder layer compiled)")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also profile this many in-memory steps: time by category and the top kernels")
+    parser.add_argument("--sdpa-backends", default=None, metavar="LIST",
+                        help="restrict torch SDPA to these backends for the whole run (comma-separated: cudnn, "
+                             "efficient, flash, math), e.g. to compare the grouped SDPA attention without cuDNN")
+    parser.add_argument("--exact-windows", action="store_true",
+                        help="grouped SDPA over the exact widest context window of each micro-batch (the code "
+                             "before attention_masks.window_width rounded it up), to compare")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -282,6 +288,20 @@ def main() -> None:
     from dflash.stage2_train.trainer import (accumulate_gradients, forward_loss, micro_batch_inputs, micro_batches,
                                              step_batches, update_weights)
 
+    if args.exact_windows:
+        import dflash.stage2_train.attention_masks as attention_masks
+
+        attention_masks.BUCKET_WINDOWS = False
+    if args.sdpa_backends:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
+        try:
+            backends = [names[name.strip()] for name in args.sdpa_backends.split(",")]
+        except KeyError as error:
+            parser.error(f"--sdpa-backends: unknown backend {error} (choose from {', '.join(names)})")
+        sdpa_kernel(backends).__enter__()  # for the whole run (a process-wide setting)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="dflash-train-bench-"))
     shutil.rmtree(work, ignore_errors=True)
     if real:
@@ -391,10 +411,14 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"profile_{name}.txt").write_text(table + "\n")
         print("profile", json.dumps(profile_summary), flush=True)
+    import torch._inductor.config as inductor_config  # (TORCHINDUCTOR_SPLIT_REDUCTIONS=0 turns them off)
+
     summary = {"benchmark": "train", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "trainable_params": params,
                "attention": args.attention if not real else run.options.attention, "attention_backend": backend,
                "compile": run.options.compile, "block_size": run.options.block_size,
+               "sdpa_backends": args.sdpa_backends, "exact_windows": args.exact_windows,
+               "inductor_split_reductions": inductor_config.split_reductions if run.options.compile else None,
                "warmup_s": warmup_s, "results": results,
                "loader_overhead": results["loader"]["step_s"] / results["memory"]["step_s"] - 1,
                "phases": phases, "profile": profile_summary,

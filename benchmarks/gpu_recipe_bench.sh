@@ -21,11 +21,14 @@
 #                   speedup (issue 31) -> $OUT/eval_alone
 #   EVAL_DECODE=1   benchmarks/bench_eval_decode.py on that drafter: dynamic vs fast decode path, and the
 #                   Qwen3-8B-shaped verify cost (EVAL_DECODE_FLAGS) -> $OUT/eval_decode
-#   TRAIN_PROFILE="FLAGS;FLAGS..."  benchmarks/bench_train.py on the bench's cache, once per entry, with TRAIN_FLAGS
-#                   plus the entry's (e.g. "--architecture dflash;--architecture dflash2 --compile";
-#                   TRAIN_PROFILE_FLAGS: the benchmark's own options) -> $OUT/train_profile
 #   WARM_STEPS=N    a second bench ($OUT/bench_warm), N steps from the baseline's best drafter (--init-from): DFlash
 #                   trained on vs DFlash 2 grown from it (issue 28's warm start), validation at step N/2 and N
+#   TRAIN_PROFILE="ENTRY;ENTRY..."  benchmarks/bench_train.py on the bench's cache, once per entry, each at most
+#                   TRAIN_PROFILE_TIMEOUT seconds (300). An entry is "[VAR=VALUE ...] TRAIN FLAGS [| BENCH FLAGS]":
+#                   environment for it, `dflash train` flags added to TRAIN_FLAGS, bench_train.py's own flags added
+#                   to TRAIN_PROFILE_FLAGS (default "--steps 20 --warmup 10 --profile 3"); e.g.
+#                   "--architecture dflash | --exact-windows;TORCHINDUCTOR_SPLIT_REDUCTIONS=0 --compile"
+#                   -> $OUT/train_profile
 #
 # The calls (one 30-minute device session; the machine goes back 30 s after a call returns, with everything on it,
 # so issue each call right after the previous one returns):
@@ -71,6 +74,7 @@ LIVE_TOKENS=${LIVE_TOKENS:-512}
 LIVE_FLAGS=${LIVE_FLAGS:-"--no-baselines --threads 2"}
 RESULTS_FROM=${RESULTS_FROM:-}
 RECIPE_BENCH=${RECIPE_BENCH:-python3 benchmarks/recipe_bench.py}  # (a stub in a dry run of this script)
+BENCH_TRAIN=${BENCH_TRAIN:-python3 benchmarks/bench_train.py}  # (likewise)
 export OUT WORK SITE
 mkdir -p "$OUT" "$WORK/import/dflash"
 for package in shared stage1_extract stage2_train; do ln -sfn "$PWD/$package" "$WORK/import/dflash/$package"; done
@@ -112,16 +116,6 @@ if [ "${EVAL_DECODE:-0}" = 1 ] && [ -f "$drafter/config.json" ]; then
         ${EVAL_DECODE_FLAGS:---prompts 3 --new-tokens 256} >"$OUT/eval_decode.out" 2>&1
     stage "eval decode bench (exit $?)"
 fi
-IFS=';' read -ra profiles <<<"${TRAIN_PROFILE:-}"
-for flags in "${profiles[@]}"; do
-    read -r flags <<<"$flags"
-    [ -n "$flags" ] || continue
-    name=$(tr -c 'A-Za-z0-9_.-' _ <<<"$flags" | sed 's/--//g; s/^[_-]*//; s/[_-]*$//')
-    # shellcheck disable=SC2086
-    python3 benchmarks/bench_train.py --cache "$WORK/cache_fp8" --train-flags "$TRAIN_FLAGS $flags" --name "$name" \
-        ${TRAIN_PROFILE_FLAGS:---steps 20 --warmup 10 --profile 3} --out "$OUT/train_profile" >"$OUT/train_profile_$name.out" 2>&1
-    stage "train profile $flags (exit $?)"
-done
 if [ -n "${WARM_STEPS:-}" ] && [ -f "$baseline/config.json" ]; then
     $RECIPE_BENCH run --cache "$WORK/cache_fp8" --out "$OUT/bench_warm" --steps "$WARM_STEPS" \
         --eval-every $(( WARM_STEPS / 2 )) --untimed-steps "$UNTIMED_STEPS" --train-flags "$TRAIN_FLAGS" \
@@ -129,4 +123,22 @@ if [ -n "${WARM_STEPS:-}" ] && [ -f "$baseline/config.json" ]; then
         --variant "dflash2_grown=--architecture dflash2 --init-from $baseline"
     stage "warm-start bench (exit $?)"
 fi
+IFS=';' read -ra profiles <<<"${TRAIN_PROFILE:-}"
+for entry in "${profiles[@]}"; do
+    # "[VAR=VALUE ...] TRAIN FLAGS [| BENCH FLAGS]": environment, `dflash train` flags, bench_train.py's own flags
+    read -r entry <<<"$entry"
+    [ -n "$entry" ] || continue
+    bench_flags=""
+    [[ "$entry" == *"|"* ]] && bench_flags=${entry#*|} && entry=${entry%%|*}
+    envs=()
+    read -ra words <<<"$entry"
+    while [ ${#words[@]} -gt 0 ] && [[ "${words[0]}" =~ ^[A-Z_][A-Z0-9_]*= ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
+    flags="${words[*]}"
+    name=$(tr -c 'A-Za-z0-9_.-' _ <<<"${envs[*]} $flags $bench_flags" | sed 's/--//g; s/__*/_/g; s/^[_-]*//; s/[_-]*$//')
+    # shellcheck disable=SC2086
+    env "${envs[@]}" timeout "${TRAIN_PROFILE_TIMEOUT:-300}" $BENCH_TRAIN --cache "$WORK/cache_fp8" \
+        --train-flags "$TRAIN_FLAGS $flags" --name "$name" ${TRAIN_PROFILE_FLAGS:---steps 20 --warmup 10 --profile 3} \
+        $bench_flags --out "$OUT/train_profile" >"$OUT/train_profile_$name.out" 2>&1
+    stage "train profile $entry | $bench_flags (exit $?)"
+done
 stage "follow-ups done"

@@ -27,6 +27,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from dflash.stage2_train.shape_buckets import bucket
+
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -440,6 +442,20 @@ def _group_windows(lo: Tensor, hi: Tensor, group: int) -> tuple[Tensor, Tensor]:
     return starts, ends
 
 
+# Whether `window_width` rounds the context windows of grouped SDPA up to `bucket` sizes (benchmarks turn it off to
+# compare; see `window_width`).
+BUCKET_WINDOWS = True
+
+
+def window_width(widest: int) -> int:
+    """The context keys of every group of `packed_groups`, for the widest window `widest` of its micro-batch: rounded
+    up by `shape_buckets.bucket` (the extra keys are masked), so that the attention of micro-batches shares few
+    shapes: SDPA's cuDNN kernels build an execution plan per new shape, and with the exact width nearly every
+    micro-batch had a new one."""
+    widest = max(int(widest), 1)
+    return bucket(widest) if BUCKET_WINDOWS else widest
+
+
 def packed_blocks_per_group(layout: PackedLayout, head_dim: int) -> int:
     """Blocks per group for `packed_groups`: of the powers of two dividing N (N itself: the whole mask as one
     group), the one with the least attention work, (W_G + G * Bk) * (N * Bk + 2 * D * N / G), W_G the widest
@@ -460,7 +476,7 @@ def packed_blocks_per_group(layout: PackedLayout, head_dim: int) -> int:
     keys_per_query = {}
     for group in candidates:
         starts, ends = _group_windows(lo, hi, group)
-        keys_per_query[group] = int((ends - starts).max()) + group * bk
+        keys_per_query[group] = window_width(int((ends - starts).max())) + group * bk
     # The memory plan (memory_plan.step_bytes) counts on at most this many copied keys.
     affordable = [g for g in candidates
                   if g == n or (n // g) * keys_per_query[g] <= MAX_PACKED_COPIES_RATIO * layout.num_keys]
@@ -481,7 +497,7 @@ def packed_groups(layout: PackedLayout, sliding_window: int | None = None,
         raise ValueError(f"{num_blocks_per_group} blocks per group do not tile {n} blocks")
     group = max(num_blocks_per_group, 1)
     starts, ends = _group_windows(lo, hi, group) if n else (lo, hi)
-    width = max(int((ends - starts).max()) if n else 0, 1)  # one sync per micro-batch and layer type
+    width = window_width(int((ends - starts).max()) if n else 0)  # one sync per micro-batch and layer type
     num_groups, group_queries = n // group, group * bk
     context_index = (starts[:, None] + torch.arange(width, device=device)).clamp(max=max(ctx_len - 1, 0))
     in_window = starts[:, None] + torch.arange(width, device=device) < ctx_len

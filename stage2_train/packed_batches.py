@@ -30,15 +30,7 @@ from dflash.stage2_train.attention_masks import PackedLayout
 from dflash.stage2_train.cache_index import Sample, ShardStore, check_seed, shard_error
 from dflash.stage2_train.epoch_plan import AnchorRule, sample_anchors
 from dflash.stage2_train.loss import IGNORE_INDEX
-
-DEFAULT_BUCKET_MULTIPLE = 16  # packed lengths are rounded up to a multiple of this (at least), see `bucket`
-
-
-def bucket(value: int, multiple: int = DEFAULT_BUCKET_MULTIPLE) -> int:
-    """`value` rounded up to a multiple of `multiple` and of 1/16 of its power of two: padding stays under 6.25 %
-    and a run sees few distinct shapes (about 16 per doubling), which compiled kernels are specialised for."""
-    step = max(multiple, 1 << max(0, int(value).bit_length() - 5))
-    return -(-int(value) // step) * step
+from dflash.stage2_train.shape_buckets import DEFAULT_BUCKET_MULTIPLE, bucket
 
 
 def _read_into(array: Any, start: int, end: int, out: np.ndarray) -> None:

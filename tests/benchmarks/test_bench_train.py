@@ -22,12 +22,13 @@ def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
 def test_real_cache_steps_are_timed_by_phase(baseline_cache: Path, tmp_path: Path) -> None:
     flags = "--architecture dflash2 --draft-layers 1 --max-anchors 8 --batch-tokens 1024 --num-workers 0"
     result = run_bench("--cache", str(baseline_cache), "--train-flags", flags, "--steps", "2", "--warmup", "1",
-                       "--profile", "1", "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
+                       "--profile", "1", "--sdpa-backends", "math,efficient", "--exact-windows", "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr[-4000:]
     name = "smollm2-135m-instruct-real_dflash2_sdpa_cpu"
     summary = json.loads((tmp_path / "out" / f"train_{name}.json").read_text())
     assert (tmp_path / "out" / f"profile_{name}.txt").is_file()
     assert summary["architecture"] == "dflash2" and summary["batch_tokens"] == 1024
+    assert summary["sdpa_backends"] == "math,efficient" and summary["exact_windows"] is True
     assert "not counted" in summary["flops_counted"]  # DFlash 2's own parts are left out of the FLOPs, and said so
     for variant in ("memory", "loader"):
         assert summary["results"][variant]["step_s"] > 0 and summary["results"][variant]["tflops"] > 0

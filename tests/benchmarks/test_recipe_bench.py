@@ -225,6 +225,44 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
     assert not any("checkpoints" in name or name.endswith(".safetensors") for name in names)
 
 
+# A stand-in for benchmarks/bench_train.py in the GPU driver: appends its arguments and one environment variable.
+BENCH_TRAIN_STUB = r'''
+import json, os, sys
+with open(os.environ["STUB_PROFILES"], "a") as calls:
+    calls.write(json.dumps({"args": sys.argv[1:], "split": os.environ.get("TORCHINDUCTOR_SPLIT_REDUCTIONS")}) + "\n")
+'''
+
+
+def test_the_gpu_driver_runs_each_train_profile_with_its_environment_and_bench_flags(tmp_path: Path) -> None:
+    stub, bench_stub = tmp_path / "stub.py", tmp_path / "bench_train.py"
+    stub.write_text(STUB)
+    bench_stub.write_text(BENCH_TRAIN_STUB)
+    work, out, calls = tmp_path / "work", tmp_path / "out", tmp_path / "profiles.jsonl"
+    (work / "cache_fp8").mkdir(parents=True)
+    (work / "cache_fp8" / "manifest.json").write_text("{}")
+    env = {**os.environ, "STUB_CALLS": str(tmp_path / "calls.json"), "STUB_PROFILES": str(calls),
+           "RECIPE_BENCH": f"{sys.executable} {stub}", "BENCH_TRAIN": f"{sys.executable} {bench_stub}",
+           "OUT": str(out), "WORK": str(work), "SITE": str(tmp_path / "site"), "VARIANTS": "ce=--loss ce",
+           "TRAIN_FLAGS": "--lr 1e-3", "TRAIN_PROFILE": "--architecture dflash | --exact-windows; "
+           "TORCHINDUCTOR_SPLIT_REDUCTIONS=0 --compile --attention flex;"}
+    result = subprocess.run(["bash", "benchmarks/gpu_recipe_bench.sh"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    first, second = [json.loads(line) for line in calls.read_text().splitlines()]
+
+    def value(call: dict, flag: str) -> str:
+        return call["args"][call["args"].index(flag) + 1]
+
+    assert value(first, "--train-flags").split() == ["--lr", "1e-3", "--architecture", "dflash"]
+    assert "--exact-windows" in first["args"] and first["split"] is None
+    assert value(first, "--name") == "architecture_dflash_exact-windows"
+    assert value(second, "--train-flags").split() == ["--lr", "1e-3", "--compile", "--attention", "flex"]
+    assert "--exact-windows" not in second["args"] and second["split"] == "0"
+    assert value(second, "--name") == "TORCHINDUCTOR_SPLIT_REDUCTIONS_0_compile_attention_flex"
+    stages = (out / "recipe_bench_stages.tsv").read_text()
+    assert stages.count("train profile") == 2 and stages.rstrip().endswith("follow-ups done")
+
+
 # A stand-in for `dflash` in gpu_pipeline.sh: `extract` records its arguments and makes a cache folder.
 DFLASH_STUB = r'''
 import json, os, sys

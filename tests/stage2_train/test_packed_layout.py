@@ -138,6 +138,22 @@ def test_grouped_sdpa_on_the_packed_layout_equals_the_whole_mask(monkeypatch: py
     grouped = run("sdpa")
     torch.testing.assert_close(grouped, whole, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grouped, eager, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(masks_module, "BUCKET_WINDOWS", False)  # the exact widest window: the same output
+    exact = masks_module.packed_groups(layout)
+    assert groups.window == masks_module.bucket(exact.window) and groups.window > exact.window
+    torch.testing.assert_close(run("sdpa"), grouped, rtol=1e-10, atol=1e-12)
+
+
+@given(st.integers(1, 200_000))
+def test_window_widths_are_rounded_up_to_few_shapes(widest: int) -> None:
+    """Grouped SDPA's context windows: at least the widest window, at most 6.25 % (or 16 keys) more, and at most
+    17 distinct widths per doubling (what lets cuDNN and compiled graphs reuse their per-shape plans)."""
+    from dflash.stage2_train.attention_masks import window_width
+
+    width = window_width(widest)
+    assert widest <= width <= max(widest * 1.0625, widest + 15)
+    low = 1 << (widest.bit_length() - 1)
+    assert len({window_width(w) for w in range(low, 2 * low, max(1, low // 256))}) <= 17
 
 
 def test_nothing_leaks_across_blocks_sequences_or_the_anchor() -> None:
@@ -208,7 +224,7 @@ def test_many_sequences_get_the_cheapest_group_size_not_the_whole_mask() -> None
         for g in range(0, real, group):
             members = windows[g:g + group]
             widest = max(widest, max(e for _, e in members) - min(b for b, _ in members))
-        return (widest + group * 16) * (n * 16 + 2 * head_dim * (n // group))
+        return (bucket(widest) + group * 16) * (n * 16 + 2 * head_dim * (n // group))
 
     def copies(group: int) -> int:
         return (n // group) * (cost(group) // (n * 16 + 2 * head_dim * (n // group)))
