@@ -27,6 +27,7 @@ from dflash.shared.logs import get_logger
 from dflash.shared.run_files import BEST_RECORD_FILE, WEIGHTS_FILE
 from dflash.stage2_train.acceptance import json_safe, offline_acceptance
 from dflash.stage2_train.checkpoints import has_checkpoint, save_checkpoint
+from dflash.stage2_train.draft_attention import uncompiled_sdpa
 from dflash.stage2_train.eval_set import eval_sequences
 from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.export import export_draft, load_draft
@@ -384,7 +385,7 @@ def walk_split(run: TrainingRun, model: DFlashDraftModel, split: str, limit: int
         sequences = ({**s, "features": feature_transform(s["features"])} for s in sequences)
     was_training = model.training
     model.eval()
-    with torch.no_grad(), run.accelerator.autocast():
+    with torch.no_grad(), run.accelerator.autocast(), uncompiled_sdpa(model):
         result = offline_acceptance(model, run.embed, run.lm_head, sequences, run.options.block_size,
                                     run.mask_token_id, seed=run.options.seed)
     model.train(was_training)

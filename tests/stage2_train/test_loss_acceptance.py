@@ -465,3 +465,27 @@ def test_json_safe_turns_every_nan_and_infinity_into_null() -> None:
     assert json_safe(report) == {"tau": None, "ci": [1.0, None], "by_position": [0.5, None], "steps": 3,
                                  "nested": {"x": [None, {"y": 2.5}]}, "name": "test"}
     json.dumps(json_safe(report), allow_nan=False)  # valid JSON
+
+
+def test_evaluation_inside_training_compiles_nothing_and_uses_sdpa() -> None:
+    """`uncompiled_sdpa`, which the trainer's evaluations run under: a drafter with compiled layers and the flex
+    backend is evaluated eagerly with SDPA (no graph compiled, so the evaluation's shapes leave the training step's
+    compilations alone), to the same tau as the plain SDPA drafter; its backend is restored afterwards."""
+    from torch._dynamo.utils import counters
+
+    from dflash.stage2_train.draft_attention import uncompiled_sdpa
+
+    embed, head = target_weights()
+    sequence = make_sequence(torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)),
+                             random_features(40), torch.cat([torch.zeros(12), torch.ones(28)]).to(torch.uint8))
+    reference = offline_acceptance(make_model("sdpa"), embed, head, [sequence])
+    model = make_model("flex")
+    for layer in model.layers:
+        layer.compile()
+    graphs = counters["stats"]["unique_graphs"]
+    with uncompiled_sdpa(model):
+        assert model.attention.implementation == "sdpa"
+        result = offline_acceptance(model, embed, head, [sequence])
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert model.attention.implementation == "flex"
+    assert result["tau_walk"] == reference["tau_walk"] and result["steps"] == reference["steps"] > 1

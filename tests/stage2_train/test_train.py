@@ -292,7 +292,7 @@ def test_init_from_an_export_starts_from_its_weights_and_refuses_another_drafter
 def test_compiled_layers_train_like_eager_ones(train_cache: Path, tmp_path: Path) -> None:
     """--compile: each decoder layer through torch.compile (inductor, also on CPU) trains on the same data to the
     same losses up to float noise, and the checkpoint and export keep the uncompiled weight names."""
-    # No held-out split: evaluation would compile the layers once more, for no_grad (slow on 2 CPU cores).
+    # No held-out split (faster): evaluations run uncompiled anyway (`uncompiled_sdpa`, test_loss_acceptance.py).
     args = ("--max-steps", "3", "--eval-every", "0", "--checkpoint-every", "0", *TRAIN_ARGS, "--eval-fraction", "0",
             "--num-workers", "0")
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
