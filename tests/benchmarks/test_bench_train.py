@@ -41,6 +41,13 @@ def test_real_cache_steps_are_timed_by_phase(baseline_cache: Path, tmp_path: Pat
     # (and the batches, which differ in size from step to step).
     assert 1 / 3 < phases["phased_step_s"] / summary["results"]["loader"]["step_s"] < 3
     assert sum(summary["profile"]["share"].values()) > 0.99
+    # The Markdown table of results is generated from such files: one row each, speed-up over the first.
+    result_file = str(tmp_path / "out" / f"train_{name}.json")
+    table = subprocess.run([sys.executable, "benchmarks/train_speed_table.py", result_file, result_file], cwd=REPO,
+                           text=True, capture_output=True, timeout=60)
+    rows = [line for line in table.stdout.splitlines() if line.startswith("| `")]
+    assert table.returncode == 0 and len(rows) == 2 and all("| 1.00x |" in row for row in rows), table.stderr
+    assert "SDPA backends math,efficient; exact windows" in rows[0]
 
 
 def test_bad_train_flags_stop_in_one_line(baseline_cache: Path) -> None:
