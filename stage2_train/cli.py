@@ -109,11 +109,13 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
               help="Seed of the split, the shuffles, the anchors and the initial weights.")
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa", "eager"]), default=TrainOptions.attention,
               show_default=True,
-              help="auto = flex_attention on CUDA for drafters of hidden size >= 2048 (SDPA is faster below: "
-                   "measured), SDPA with an explicit mask on CPU.")
+              help="auto = flex_attention on CUDA for drafters of hidden size >= 2048, SDPA below it and on CPU. "
+                   "For small drafters flex is faster per step once compiled (1.6x for SmolLM2's on an H100, after "
+                   "~60 s of compilation: worth it beyond ~750 steps; docs/benchmarks.md).")
 @click.option("--compile", "compile_", is_flag=True,
               help="torch.compile each drafter layer, in each training process (masks are built eagerly). "
-                   "Crashed on torch 2.11 CUDA when packed batch shapes vary (docs/benchmarks.md).")
+                   "With SDPA it crashed on torch 2.11 CUDA when packed batch shapes vary; with --attention flex "
+                   "it ran (2x the default step for SmolLM2's drafter; docs/benchmarks.md).")
 @click.option("--fsdp", is_flag=True,
               help="Shard the drafter with FSDP instead of DDP (GPUs only; eval and export gather the weights).")
 @click.option("--mixed-precision", type=click.Choice(["auto", "bf16", "no"]), default=TrainOptions.mixed_precision,

@@ -155,13 +155,12 @@ class TrainingAttention:
     def backend(self, device: torch.device) -> str:
         if self.implementation == "auto":
             # Measured on an H200 (benchmarks/results): flex's block-sparse kernels win for large drafters (hidden
-            # 4096: 0.755 vs 1.041 s/step) and lost for small ones on the padded layout (hidden 576: 0.204 vs
-            # 0.065 s/step, plus ~70 s of mask compilation per new anchor count). On the packed layout (bucketed
-            # shapes) a 5-layer hidden-576 drafter's forward and backward over 1,856 blocks takes 0.057 s with
-            # flex and 0.08-0.13 s with grouped SDPA, after ~60 s of compilation for the first two shapes and none
-            # after (packed_attention_shapes_smollm2_cuda.json): flex pays off after ~1,300 steps. Not yet
-            # measured in a whole training run, so small drafters stay on SDPA here; pass --attention flex for
-            # long runs.
+            # 4096: 0.755 vs 1.041 s/step). For small ones (hidden 576, SmolLM2's 5 layers) on the packed layout,
+            # the real training step on an H100 took 0.141 s with flex vs 0.223 s with grouped SDPA, after ~62 s
+            # more of compilation (docs/benchmarks.md, "The real training step by attention path"): flex pays
+            # back after ~750 steps. Its first whole training run failed (the evaluation used up the recompile
+            # limit, since fixed by `uncompiled_sdpa`) and is to be repeated, so small drafters stay on SDPA here
+            # for now; pass --attention flex for long runs.
             large = self.hidden_size >= FLEX_MIN_HIDDEN_SIZE
             return "flex" if device.type == "cuda" and large else "sdpa"
         return self.implementation
