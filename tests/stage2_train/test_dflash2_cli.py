@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_dflash, step_records
+from tests.conftest import assert_same_training, run_dflash, step_records
 from tests.end_to_end.test_bad_input_tour import one_line_error
 from tests.stage2_train.conftest import TRAIN_ARGS
 
@@ -44,6 +44,20 @@ def test_dflash2_trains_exports_and_evaluates(train_cache: Path, tmp_path: Path)
     assert result.returncode == 0, result.stderr[-3000:]
     heldout = json.loads((tmp_path / "eval" / "eval.json").read_text())["datasets"]["heldout"]
     assert heldout["tau"] >= 1.0 and heldout["greedy_identical"] + heldout["tie_divergences"] == 2
+
+
+def test_dflash2_compiled_layers_train_like_eager_ones(train_cache: Path, tmp_path: Path) -> None:
+    """--compile with DFlash 2 (its convolutions inside the compiled decoder layers; the selector loss outside):
+    the same losses as the eager run up to float noise, as for DFlash (test_train.py)."""
+    args = ("--architecture", "dflash2", "--max-steps", "2", "--num-workers", "0", "--eval-fraction", "0", *ARGS)
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    run_dflash("train", "--cache", str(train_cache), "--out", str(eager), *args, check=True)
+    result = run_dflash("train", "--cache", str(train_cache), "--out", str(compiled), *args, "--compile")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--compile: 1 decoder layers compile" in result.stderr
+    assert_same_training(compiled, eager, loss_rel=1e-4)
+    for step, record in step_records(compiled).items():
+        assert record["loss_selector"] == pytest.approx(step_records(eager)[step]["loss_selector"], rel=1e-4, abs=1e-6)
 
 
 def test_dflash2_starts_from_a_dflash_export(train_cache: Path, dflash_export: Path, tmp_path: Path) -> None:
