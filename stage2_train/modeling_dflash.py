@@ -415,9 +415,13 @@ class CandidateSelector(nn.Module):
         return torch.topk(logits, self.top_k, dim=-1)
 
     def scores(self, projected: Tensor, predecessors: Tensor, unary: Tensor, candidates: Tensor) -> Tensor:
-        """S(a, b) [..., k] for predecessors a [...], P(h) ``projected`` [..., r], U and candidates [..., k]."""
-        query = self.predecessor_codebook[predecessors] * projected
-        successors = self.successor_codebook[candidates].to(query.dtype)
+        """S(a, b) [..., k] for predecessors a [...], P(h) ``projected`` [..., r], U and candidates [..., k].
+        The codebook rows are gathered with `F.embedding`, not indexing: the same forward, but indexing's backward
+        (a sorted, duplicate-serialising index_put) took 19 ms of a 0.21 s DFlash 2 step on an H100 (the candidates
+        repeat the frequent tokens thousands of times a step; profile in docs/benchmarks.md), and embedding's
+        backward is made for such indices (the gain on the GPU is not measured yet)."""
+        query = F.embedding(predecessors, self.predecessor_codebook) * projected
+        successors = F.embedding(candidates, self.successor_codebook).to(query.dtype)
         return unary + torch.einsum("...r,...kr->...k", query, successors).to(unary.dtype)
 
     def walk(self, hidden: Tensor, logits: Tensor, anchors: Tensor, temperature: float = 0.0,
