@@ -113,7 +113,8 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
                    "For small drafters flex is faster per step once compiled (1.6x for SmolLM2's on an H100, after "
                    "~60 s of compilation: worth it beyond ~750 steps; docs/benchmarks.md).")
 @click.option("--compile", "compile_", is_flag=True,
-              help="torch.compile each drafter layer, in each training process (masks are built eagerly). "
+              help="torch.compile each drafter layer and the cross-entropy's chunks, in each training process "
+                   "(masks are built eagerly). "
                    "With SDPA it crashed on torch 2.11 CUDA when packed batch shapes vary; with --attention flex "
                    "it ran (2x the default step for SmolLM2's drafter; docs/benchmarks.md).")
 @click.option("--fsdp", is_flag=True,

@@ -110,6 +110,38 @@ def target_distribution(topk_logprobs: Tensor, vocab_size: int) -> tuple[Tensor,
     return log_p.exp(), log_p, tail / (mass + tail), torch.log(tail) - log_total
 
 
+def cross_entropy_chunk(logits: Tensor, labels: Tensor, pos_weights: Tensor, scale: Tensor, ce_weight: float,
+                        grad_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One chunk of the cross-entropy path of `_ChunkedLinearLoss`: logits [n, V] (any float dtype; computed in
+    float32), labels [n], pos_weights and scale [n] float32 -> (sum of pos_weights * CE, argmax == label [n], the
+    gradient w.r.t. the logits in `grad_dtype`, ce_weight * (softmax - onehot(label)) * scale, or None when
+    `grad_dtype` is None). Written for `torch.compile` too (`_compiled_cross_entropy_chunk`): in place on a float32
+    copy, so eagerly it holds one float32 chunk besides its input and output."""
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(1, labels[:, None])[:, 0]
+    weighted_ce = (pos_weights * (lse - picked)).sum()
+    correct = z.argmax(dim=-1) == labels
+    if grad_dtype is None:
+        return weighted_ce, correct, None
+    factor = (ce_weight * scale)[:, None]
+    grad = z.sub_(lse[:, None]).exp_().mul_(factor)  # on z's memory: z is a copy, or logits already float32
+    grad = grad.scatter_add_(1, labels[:, None], -factor)
+    return weighted_ce, correct, grad.to(grad_dtype)
+
+
+_compiled_chunk: dict[str, object] = {}
+
+
+def _compiled_cross_entropy_chunk():  # noqa: ANN202 - a torch.compile'd `cross_entropy_chunk`
+    """`cross_entropy_chunk` compiled once per process for static shapes (the loss pads its last chunk to the
+    chunk size, so one graph serves every chunk of every step): its softmax, gather, argmax and gradient fused into
+    a few kernels instead of ~10 passes over the [chunk, V] float32 logits."""
+    if "fn" not in _compiled_chunk:
+        _compiled_chunk["fn"] = torch.compile(cross_entropy_chunk, dynamic=False, fullgraph=True)
+    return _compiled_chunk["fn"]
+
+
 class _ChunkedLinearLoss(torch.autograd.Function):
     """sum_i scale_i * (ce_weight * CE_i + kl_weight * KL_i) over rows i of hidden @ weight.T, chunked; gradients
     computed in the forward. KL_i needs the target's top-k ids / log-probs of row i (see the module docstring)."""
@@ -117,7 +149,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, topk_ids: Tensor | None,
                 topk_logprobs: Tensor | None, pos_weights: Tensor, denominator: Tensor, ce_weight: float,
-                kl_weight: float, chunk_size: int, want_grad: bool, candidates_k: int):
+                kl_weight: float, chunk_size: int, want_grad: bool, candidates_k: int, fused: bool):
         num = hidden.shape[0]
         vocab = weight.shape[0]
         need_h = want_grad and ctx.needs_input_grad[0]
@@ -130,7 +162,36 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         scale = pos_weights / denominator  # [N] float32: d loss / d (ce_weight CE_i + kl_weight KL_i)
-        for start in range(0, num, chunk_size):
+        if fused and not distill:
+            ce_chunk = _compiled_cross_entropy_chunk()
+            padded = -(-num // chunk_size) * chunk_size  # every chunk full: one static shape
+            if padded != num:
+                hidden_rows = hidden.new_zeros((padded, hidden.shape[1]))
+                hidden_rows[:num] = hidden
+                labels_rows, weight_rows, scale_rows = (torch.cat([t, t.new_zeros(padded - num)])
+                                                        for t in (labels, pos_weights, scale))
+            else:
+                hidden_rows, labels_rows, weight_rows, scale_rows = hidden, labels, pos_weights, scale
+            grad_dtype = weight.dtype if (need_h or need_w) else None
+            for start in range(0, padded, chunk_size):
+                end, real = start + chunk_size, min(start + chunk_size, num)
+                h = hidden_rows[start:end]
+                logits = h @ weight.t()  # [chunk, V] in the compute dtype; float32 inside the compiled chunk
+                if candidates_k:
+                    candidates[start:real] = logits[: real - start].topk(candidates_k, dim=-1).indices
+                ce, chunk_correct, grad_logits = ce_chunk(logits, labels_rows[start:end], weight_rows[start:end],
+                                                          scale_rows[start:end], ce_weight, grad_dtype)
+                weighted_ce += ce
+                correct[start:real] = chunk_correct[: real - start]
+                if need_h:
+                    grad_hidden[start:real] = (grad_logits[: real - start] @ weight).to(hidden.dtype)
+                if need_w:
+                    grad_weight += grad_logits.float().t() @ h.float()
+                del logits, grad_logits
+            chunks = 0  # nothing left for the loop below
+        else:
+            chunks = num
+        for start in range(0, chunks, chunk_size):
             end = min(start + chunk_size, num)
             h, lab, rows = hidden[start:end], labels[start:end], torch.arange(end - start, device=hidden.device)
             logits = (h @ weight.t()).float()  # [n, V]; the only large buffer
@@ -192,7 +253,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if need_w:
             grad_weight = (saved.pop(0) * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None, None, None
 
 
 def dflash_loss(
@@ -203,6 +264,7 @@ def dflash_loss(
     global_weight_sum: Tensor | float,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     candidates: int = 0,
+    fused: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted block cross-entropy of one micro-batch, divided by the global weight sum.
 
@@ -221,9 +283,11 @@ def dflash_loss(
       candidates       (only when ``candidates`` = k > 0) [B, A, Bk, k] long, the ids of the k largest logits at
                        each supervised position (0 elsewhere), highest first: DFlash 2's selector candidates
                        (`selector_loss`), taken from the logits this loss builds anyway.
+    ``fused``: each chunk's softmax, loss and gradient in a compiled kernel (`_compiled_cross_entropy_chunk`; the
+    same results up to float rounding), for `dflash train --compile`.
     """
     return block_loss(hidden, lm_head_weight, labels, weights, global_weight_sum, chunk_size=chunk_size,
-                      candidates=candidates)
+                      candidates=candidates, fused=fused)
 
 
 def block_loss(
@@ -239,6 +303,7 @@ def block_loss(
     kl_weight: float = 0.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     candidates: int = 0,
+    fused: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """ce_weight * CE + kl_weight * KL (module docstring) of one micro-batch, position-weighted, divided by the
     global weight sum; `dflash_loss` is its cross-entropy alone.
@@ -246,7 +311,8 @@ def block_loss(
     Arguments as `dflash_loss`, and topk_ids / topk_logprobs: [B, A, Bk, K] the target's top-k of each label
     position (aligned with labels; read only where labels != -100), needed when kl_weight > 0. Stats as
     `dflash_loss`'s, and weighted_kl_sum (sum of w_k * KL; 0 without top-k). CE is computed and reported whatever
-    its weight (it is one gather beside the logsumexp the KL needs anyway).
+    its weight (it is one gather beside the logsumexp the KL needs anyway). ``fused`` (`dflash_loss`) applies to
+    the cross-entropy alone, without top-k; with it the KL path runs as without.
     """
     if labels.dim() != 3:
         raise ValueError(f"labels must be [B, A, Bk], got shape {tuple(labels.shape)}")
@@ -288,7 +354,7 @@ def block_loss(
 
     loss, weighted_ce, weighted_kl, correct, selected_candidates = _ChunkedLinearLoss.apply(
         selected_hidden, lm_head_weight, selected_labels, selected_ids, selected_logprobs, pos_weights, denominator,
-        float(ce_weight), float(kl_weight), chunk_size, want_grad, int(candidates)
+        float(ce_weight), float(kl_weight), chunk_size, want_grad, int(candidates), bool(fused)
     )
     correct_by_position = torch.zeros(block, dtype=torch.long, device=device).index_add_(0, offsets, correct.long())
     count_by_position = torch.zeros(block, dtype=torch.long, device=device).index_add_(

@@ -52,14 +52,15 @@ Objective = Callable[..., tuple[Any, dict[str, Any]]]
 
 
 def block_cross_entropy(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, position_weights: Tensor,
-                        global_weight_sum: Tensor, *, candidates: int = 0) -> tuple[Tensor, dict[str, Tensor]]:
+                        global_weight_sum: Tensor, *, candidates: int = 0,
+                        fused: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
     """The reference DFlash objective: cross-entropy against the target's own next tokens at block offsets
     1..Bk-1, weighted exp(-(k - 1) / gamma), normalised by the global weight sum (`loss.dflash_loss`: fused with the
-    LM head, in chunks, float32)."""
+    LM head, in chunks, float32; ``fused``: each chunk's softmax and gradient compiled, with --compile)."""
     from dflash.stage2_train.loss import dflash_loss
 
     return dflash_loss(hidden.to(lm_head.dtype), lm_head, batch.labels, position_weights, global_weight_sum,
-                       candidates=candidates)
+                       candidates=candidates, fused=fused)
 
 
 def block_kl(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, position_weights: Tensor,
@@ -100,10 +101,11 @@ LOSSES = ("ce", "kl", "mix")  # the --loss choices, in this order
 NEEDS_TARGET_TOPK = frozenset({"kl", "mix"})
 
 
-def make_objective(loss: str, kl_weight: float = DEFAULT_KL_WEIGHT) -> Objective:
-    """The objective of `--loss loss`, with the options it takes bound (--kl-weight: mix only)."""
+def make_objective(loss: str, kl_weight: float = DEFAULT_KL_WEIGHT, compile: bool = False) -> Objective:
+    """The objective of `--loss loss`, with the options it takes bound (--kl-weight: mix only; --compile: the
+    cross-entropy's compiled chunks, `ce` only for now)."""
     if loss == "ce":
-        return block_cross_entropy
+        return functools.partial(block_cross_entropy, fused=True) if compile else block_cross_entropy
     if loss == "kl":
         return block_kl
     if loss == "mix":

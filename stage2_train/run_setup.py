@@ -146,7 +146,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     """Build a run in order: the objective (refused at once on a cache without what it needs), accelerator and
     logs, cache and split, drafter, optimizer and schedule, compile; then the resume point (checkpoint loaded) and
     the run's records on disk."""
-    objective = make_objective(options.loss, options.kl_weight)
+    objective = make_objective(options.loss, options.kl_weight, options.compile)
     check_cache_for(options.loss, cf.read_manifest(options.cache.resolve()), options.cache)
     if options.init_from is not None and options.init_from_target is not None:
         raise UserError("--init-from EXPORT_DIR and --init-from-target both choose the drafter's first weights: "

@@ -102,6 +102,39 @@ def test_loss_and_gradients_match_naive(shape4d: bool) -> None:
     assert all(not v.requires_grad for v in stats.values())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_chunks_equal_the_eager_loss(dtype: torch.dtype) -> None:
+    """`fused=True` (--compile): each chunk's softmax, loss and gradient through the compiled `cross_entropy_chunk`
+    (inductor, also on CPU), the last chunk padded to the chunk size; the same loss, statistics, candidates and
+    gradients (of the hidden states and of a trainable head) as the eager chunks, in float32 to rounding and in
+    bf16 to bf16 rounding."""
+    h, head, labels = random_problem(1)
+    w = position_weights(6)
+    total = weight_sum(labels, w) * 1.3
+    from torch._dynamo.utils import counters
+
+    from dflash.stage2_train import loss as loss_module
+
+    loss_module._compiled_chunk.clear()  # compiled anew here: the count below sees this test's graph
+    frames = counters["stats"]["unique_graphs"]
+    results = []
+    for fused in (False, True):
+        hh, head_param = h.to(dtype).requires_grad_(), head.to(dtype).requires_grad_()
+        loss, stats = dflash_loss(hh, head_param, labels, w, total, chunk_size=7, candidates=3, fused=fused)
+        loss.backward()
+        results.append((loss.detach(), stats, hh.grad.float(), head_param.grad.float()))
+    (eager, eager_stats, eager_h, eager_head), (fused, fused_stats, fused_h, fused_head) = results
+    assert counters["stats"]["unique_graphs"] == frames + 1  # one graph, whole (fullgraph), for every chunk
+    assert (labels != IGNORE_INDEX).sum() % 7 != 0  # a partial last chunk, padded in the fused path
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(fused, eager, **tolerance)
+    torch.testing.assert_close(fused_stats["weighted_ce_sum"], eager_stats["weighted_ce_sum"], **tolerance)
+    torch.testing.assert_close(fused_h, eager_h, **tolerance)
+    torch.testing.assert_close(fused_head, eager_head, **tolerance)
+    assert torch.equal(fused_stats["correct_by_position"], eager_stats["correct_by_position"])
+    assert torch.equal(fused_stats["candidates"], eager_stats["candidates"])
+
+
 def test_chunk_size_does_not_change_result() -> None:
     h, head, labels = random_problem(2)
     w = position_weights(6)
