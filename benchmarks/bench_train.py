@@ -127,8 +127,8 @@ PROFILE_CATEGORIES = (
 )
 
 
-def profile_steps(run_step, micro: dict, steps: int, device: torch.device) -> tuple[dict, str]:  # noqa: ANN001
-    """Profile ``steps`` in-memory steps: device (or, on CPU, operator) time by category, the share of the wall
+def profile_steps(step, steps: int, device: torch.device) -> tuple[dict, str]:  # noqa: ANN001
+    """Profile ``steps`` calls of ``step()``: device (or, on CPU, operator) time by category, the share of the wall
     time the device was busy, and the top-30 table by self time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -138,7 +138,7 @@ def profile_steps(run_step, micro: dict, steps: int, device: torch.device) -> tu
     begin = time.perf_counter()
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            run_step(micro)
+            step()
         if device.type == "cuda":
             torch.cuda.synchronize()
     wall = time.perf_counter() - begin
@@ -169,8 +169,11 @@ def profile_steps(run_step, micro: dict, steps: int, device: torch.device) -> tu
         "busy_fraction": total / 1e6 / wall if on_device else None,
         "share": {c: t / total for c, t in sorted(by_category.items(), key=lambda kv: -kv[1])},
     }
-    sort_by = "self_cuda_time_total" if on_device else "self_cpu_time_total"
-    return summary, events.table(sort_by=sort_by, row_limit=30, max_name_column_width=70)
+    table = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    if on_device:  # where the GPU's time goes, then (above) where the host's goes
+        table = events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70) + \
+            "\n\nBy host (self CPU) time:\n" + table
+    return summary, table
 
 
 PHASES = ("loader wait", "inputs", "forward", "objective", "selector loss", "backward", "optimizer")
@@ -267,7 +270,10 @@ def main() -> None:
     parser.add_argument("--attention", default="auto", help="auto (flex on CUDA), flex, sdpa or eager")
     parser.add_argument("--compile", action="store_true", help="train with --compile (each decoder layer compiled)")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                        help="also profile this many in-memory steps: time by category and the top kernels")
+                        help="also profile this many steps: time by category and the top kernels")
+    parser.add_argument("--profile-source", choices=("memory", "loader"), default="memory",
+                        help="profile steps on the first micro-batch again and again (memory), or on new loader "
+                             "batches, their inputs built as in training (loader; with --cache)")
     parser.add_argument("--sdpa-backends", default=None, metavar="LIST",
                         help="restrict torch SDPA to these backends for the whole run (comma-separated: cudnn, "
                              "efficient, flash, math), e.g. to compare the grouped SDPA attention without cuDNN")
@@ -407,7 +413,14 @@ def main() -> None:
     name = args.name or f"{label}_{attention}{'_compile' if run.options.compile else ''}_{device.type}"
     profile_summary = None
     if args.profile:
-        profile_summary, table = profile_steps(run_step, first, args.profile, device)
+        if args.profile_source == "loader" and real:
+            def profiled_step() -> None:
+                update_weights(run, accumulate_gradients(run, to_micros(next_batches())))
+        else:
+            def profiled_step() -> None:
+                run_step(first)
+        profile_summary, table = profile_steps(profiled_step, args.profile, device)
+        profile_summary["source"] = args.profile_source if real else "memory"
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"profile_{name}.txt").write_text(table + "\n")
         print("profile", json.dumps(profile_summary), flush=True)

@@ -22,7 +22,8 @@ def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
 def test_real_cache_steps_are_timed_by_phase(baseline_cache: Path, tmp_path: Path) -> None:
     flags = "--architecture dflash2 --draft-layers 1 --max-anchors 8 --batch-tokens 1024 --num-workers 0"
     result = run_bench("--cache", str(baseline_cache), "--train-flags", flags, "--steps", "2", "--warmup", "1",
-                       "--profile", "1", "--sdpa-backends", "math,efficient", "--exact-windows", "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
+                       "--profile", "1", "--profile-source", "loader", "--sdpa-backends", "math,efficient",
+                       "--exact-windows", "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr[-4000:]
     name = "smollm2-135m-instruct-real_dflash2_sdpa_cpu"
     summary = json.loads((tmp_path / "out" / f"train_{name}.json").read_text())
@@ -40,7 +41,7 @@ def test_real_cache_steps_are_timed_by_phase(baseline_cache: Path, tmp_path: Pat
     # On CPU the synchronisations cost nothing: the phased step is the timed step, up to the noise of a shared CPU
     # (and the batches, which differ in size from step to step).
     assert 1 / 3 < phases["phased_step_s"] / summary["results"]["loader"]["step_s"] < 3
-    assert sum(summary["profile"]["share"].values()) > 0.99
+    assert sum(summary["profile"]["share"].values()) > 0.99 and summary["profile"]["source"] == "loader"
     # The Markdown table of results is generated from such files: one row each, speed-up over the first.
     result_file = str(tmp_path / "out" / f"train_{name}.json")
     table = subprocess.run([sys.executable, "benchmarks/train_speed_table.py", result_file, result_file], cwd=REPO,
