@@ -50,7 +50,9 @@
 # 20 x 512 side by side) 130 s. Follow-ups: EVAL_ALONE 153 s, EVAL_DECODE 113 s, a train profile 40-55 s (85 s
 # until --compile crashed), WARM_STEPS=150 about 4-5 min. So three variants x 300 steps with live tau take ~16 min
 # of device time with the machine's start; the default 4 variants x 400 steps ~22 min: one question a session,
-# with room for one or two follow-ups.
+# with room for one or two follow-ups. Since the grouped attention's windows are bucketed (second H100 session,
+# benchmarks/results/h100_train_speed_and_warm_start_2026-12-05): the cache 55 s, a DFlash variant 128 s at 300
+# steps (0.20 s a step), WARM_STEPS=150 217 s, a train profile 30-90 s (flex compiles ~60 s on its first shapes).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 WORK=${WORK:-/tmp/dflash_work}
