@@ -294,20 +294,22 @@ def main() -> None:
     from dflash.stage2_train.trainer import (accumulate_gradients, forward_loss, micro_batch_inputs, micro_batches,
                                              step_batches, update_weights)
 
-    if args.exact_windows:
-        import dflash.stage2_train.attention_masks as attention_masks
+    import dflash.stage2_train.attention_masks as attention_masks
 
+    if args.exact_windows:
         attention_masks.BUCKET_WINDOWS = False
     if args.sdpa_backends:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                 "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
-        try:
-            backends = [names[name.strip()] for name in args.sdpa_backends.split(",")]
-        except KeyError as error:
-            parser.error(f"--sdpa-backends: unknown backend {error} (choose from {', '.join(names)})")
-        sdpa_kernel(backends).__enter__()  # for the whole run (a process-wide setting)
+        # Process-wide switches, set for the whole run (not `sdpa_kernel(...).__enter__()` on a temporary: its
+        # generator is collected at once and restores every backend, which voided the first measurement).
+        cuda = torch.backends.cuda
+        switches = {"cudnn": cuda.enable_cudnn_sdp, "efficient": cuda.enable_mem_efficient_sdp,
+                    "flash": cuda.enable_flash_sdp, "math": cuda.enable_math_sdp}
+        chosen = {name.strip() for name in args.sdpa_backends.split(",")}
+        if chosen - set(switches):
+            parser.error(f"--sdpa-backends: unknown backend(s) {sorted(chosen - set(switches))} (choose from "
+                         f"{', '.join(switches)})")
+        for name, switch in switches.items():
+            switch(name in chosen)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="dflash-train-bench-"))
     shutil.rmtree(work, ignore_errors=True)
     if real:
@@ -430,7 +432,12 @@ def main() -> None:
                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "trainable_params": params,
                "attention": args.attention if not real else run.options.attention, "attention_backend": backend,
                "compile": run.options.compile, "block_size": run.options.block_size,
-               "sdpa_backends": args.sdpa_backends, "exact_windows": args.exact_windows,
+               "sdpa_backends": args.sdpa_backends,
+               "sdpa_backends_enabled": {"cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+                                         "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                                         "flash": torch.backends.cuda.flash_sdp_enabled(),
+                                         "math": torch.backends.cuda.math_sdp_enabled()},
+               "exact_windows": not attention_masks.BUCKET_WINDOWS,
                "inductor_split_reductions": inductor_config.split_reductions if run.options.compile else None,
                "warmup_s": warmup_s, "results": results,
                "loader_overhead": results["loader"]["step_s"] / results["memory"]["step_s"] - 1,

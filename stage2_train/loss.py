@@ -142,6 +142,13 @@ def _compiled_cross_entropy_chunk():  # noqa: ANN202 - a torch.compile'd `cross_
     return _compiled_chunk["fn"]
 
 
+def _padded_rows(rows: Tensor, size: int) -> Tensor:
+    """`rows` with zero rows appended up to `size` (itself when it has them)."""
+    if rows.shape[0] == size:
+        return rows
+    return torch.cat([rows, rows.new_zeros((size - rows.shape[0], *rows.shape[1:]))])
+
+
 class _ChunkedLinearLoss(torch.autograd.Function):
     """sum_i scale_i * (ce_weight * CE_i + kl_weight * KL_i) over rows i of hidden @ weight.T, chunked; gradients
     computed in the forward. KL_i needs the target's top-k ids / log-probs of row i (see the module docstring)."""
@@ -164,23 +171,16 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         scale = pos_weights / denominator  # [N] float32: d loss / d (ce_weight CE_i + kl_weight KL_i)
         if fused and not distill:
             ce_chunk = _compiled_cross_entropy_chunk()
-            padded = -(-num // chunk_size) * chunk_size  # every chunk full: one static shape
-            if padded != num:
-                hidden_rows = hidden.new_zeros((padded, hidden.shape[1]))
-                hidden_rows[:num] = hidden
-                labels_rows, weight_rows, scale_rows = (torch.cat([t, t.new_zeros(padded - num)])
-                                                        for t in (labels, pos_weights, scale))
-            else:
-                hidden_rows, labels_rows, weight_rows, scale_rows = hidden, labels, pos_weights, scale
             grad_dtype = weight.dtype if (need_h or need_w) else None
-            for start in range(0, padded, chunk_size):
-                end, real = start + chunk_size, min(start + chunk_size, num)
-                h = hidden_rows[start:end]
+            for start in range(0, num, chunk_size):
+                real = min(start + chunk_size, num)
+                # every chunk full, one static shape: the last one's missing rows are zeros with weight 0
+                h, lab, row_weights, row_scale = (_padded_rows(t[start:real], chunk_size)
+                                                  for t in (hidden, labels, pos_weights, scale))
                 logits = h @ weight.t()  # [chunk, V] in the compute dtype; float32 inside the compiled chunk
                 if candidates_k:
                     candidates[start:real] = logits[: real - start].topk(candidates_k, dim=-1).indices
-                ce, chunk_correct, grad_logits = ce_chunk(logits, labels_rows[start:end], weight_rows[start:end],
-                                                          scale_rows[start:end], ce_weight, grad_dtype)
+                ce, chunk_correct, grad_logits = ce_chunk(logits, lab, row_weights, row_scale, ce_weight, grad_dtype)
                 weighted_ce += ce
                 correct[start:real] = chunk_correct[: real - start]
                 if need_h:

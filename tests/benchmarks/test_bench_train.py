@@ -29,7 +29,9 @@ def test_real_cache_steps_are_timed_by_phase(baseline_cache: Path, tmp_path: Pat
     summary = json.loads((tmp_path / "out" / f"train_{name}.json").read_text())
     assert (tmp_path / "out" / f"profile_{name}.txt").is_file()
     assert summary["architecture"] == "dflash2" and summary["batch_tokens"] == 1024
-    assert summary["sdpa_backends"] == "math,efficient" and summary["exact_windows"] is True
+    # What the run really had (read from torch and the module, not echoed from the flags):
+    assert summary["exact_windows"] is True
+    assert summary["sdpa_backends_enabled"] == {"cudnn": False, "efficient": True, "flash": False, "math": True}
     assert "not counted" in summary["flops_counted"]  # DFlash 2's own parts are left out of the FLOPs, and said so
     for variant in ("memory", "loader"):
         assert summary["results"][variant]["step_s"] > 0 and summary["results"][variant]["tflops"] > 0

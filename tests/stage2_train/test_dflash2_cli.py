@@ -46,6 +46,7 @@ def test_dflash2_trains_exports_and_evaluates(train_cache: Path, tmp_path: Path)
     assert heldout["tau"] >= 1.0 and heldout["greedy_identical"] + heldout["tie_divergences"] == 2
 
 
+@pytest.mark.slow  # ~50 s on 2 cores (inductor compiles the layers); `make test-all` runs it, `make test` not
 def test_dflash2_compiled_layers_train_like_eager_ones(train_cache: Path, tmp_path: Path) -> None:
     """--compile with DFlash 2 (its convolutions inside the compiled decoder layers; the selector loss outside):
     the same losses as the eager run up to float noise, as for DFlash (test_train.py)."""
