@@ -194,12 +194,15 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         for start in range(0, chunks, chunk_size):
             end = min(start + chunk_size, num)
             h, lab, rows = hidden[start:end], labels[start:end], torch.arange(end - start, device=hidden.device)
-            logits = (h @ weight.t()).float()  # [n, V]; the only large buffer
+            products = h @ weight.t()  # [n, V] in the compute dtype
+            if candidates_k:  # DFlash 2's candidates, from these logits rather than a second head product (and
+                # before the float32 copy: the same values, half the bytes to read in bf16)
+                candidates[start:end] = products.topk(candidates_k, dim=-1).indices
+            logits = products.float()  # the only large buffer
+            del products
             lse = torch.logsumexp(logits, dim=-1)
             weighted_ce += (pos_weights[start:end] * (lse - logits[rows, lab])).sum()
             correct[start:end] = logits.argmax(dim=-1) == lab
-            if candidates_k:  # DFlash 2's candidates, from these logits rather than a second head product
-                candidates[start:end] = logits.topk(candidates_k, dim=-1).indices
             if distill:
                 ids = topk_ids[start:end].long()
                 p, log_p, p_tail, log_p_tail = target_distribution(topk_logprobs[start:end], vocab)

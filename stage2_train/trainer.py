@@ -385,11 +385,12 @@ def walk_split(run: TrainingRun, model: DFlashDraftModel, split: str, limit: int
         sequences = ({**s, "features": feature_transform(s["features"])} for s in sequences)
     was_training = model.training
     model.eval()
-    with torch.no_grad(), run.accelerator.autocast(), uncompiled_sdpa(model):
-        result = offline_acceptance(model, run.embed, run.lm_head, sequences, run.options.block_size,
-                                    run.mask_token_id, seed=run.options.seed)
-    model.train(was_training)
-    return result
+    try:
+        with torch.no_grad(), run.accelerator.autocast(), uncompiled_sdpa(model):
+            return offline_acceptance(model, run.embed, run.lm_head, sequences, run.options.block_size,
+                                      run.mask_token_id, seed=run.options.seed)
+    finally:
+        model.train(was_training)
 
 
 def report_test_split(run: TrainingRun, feature_transform: FeatureTransform | None = None) -> dict[str, Any]:
