@@ -44,6 +44,7 @@ temporary of that size).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -130,16 +131,12 @@ def cross_entropy_chunk(logits: Tensor, labels: Tensor, pos_weights: Tensor, sca
     return weighted_ce, correct, grad.to(grad_dtype)
 
 
-_compiled_chunk: dict[str, object] = {}
-
-
+@functools.cache
 def _compiled_cross_entropy_chunk():  # noqa: ANN202 - a torch.compile'd `cross_entropy_chunk`
     """`cross_entropy_chunk` compiled once per process for static shapes (the loss pads its last chunk to the
     chunk size, so one graph serves every chunk of every step): its softmax, gather, argmax and gradient fused into
     a few kernels instead of ~10 passes over the [chunk, V] float32 logits."""
-    if "fn" not in _compiled_chunk:
-        _compiled_chunk["fn"] = torch.compile(cross_entropy_chunk, dynamic=False, fullgraph=True)
-    return _compiled_chunk["fn"]
+    return torch.compile(cross_entropy_chunk, dynamic=False, fullgraph=True)
 
 
 def _padded_rows(rows: Tensor, size: int) -> Tensor:
@@ -169,41 +166,33 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         scale = pos_weights / denominator  # [N] float32: d loss / d (ce_weight CE_i + kl_weight KL_i)
-        if fused and not distill:
-            ce_chunk = _compiled_cross_entropy_chunk()
-            grad_dtype = weight.dtype if (need_h or need_w) else None
-            for start in range(0, num, chunk_size):
-                real = min(start + chunk_size, num)
-                # every chunk full, one static shape: the last one's missing rows are zeros with weight 0
-                h, lab, row_weights, row_scale = (_padded_rows(t[start:real], chunk_size)
-                                                  for t in (hidden, labels, pos_weights, scale))
-                logits = h @ weight.t()  # [chunk, V] in the compute dtype; float32 inside the compiled chunk
-                if candidates_k:
-                    candidates[start:real] = logits[: real - start].topk(candidates_k, dim=-1).indices
-                ce, chunk_correct, grad_logits = ce_chunk(logits, lab, row_weights, row_scale, ce_weight, grad_dtype)
-                weighted_ce += ce
-                correct[start:real] = chunk_correct[: real - start]
-                if need_h:
-                    grad_hidden[start:real] = (grad_logits[: real - start] @ weight).to(hidden.dtype)
-                if need_w:
-                    grad_weight += grad_logits.float().t() @ h.float()
-                del logits, grad_logits
-            chunks = 0  # nothing left for the loop below
-        else:
-            chunks = num
-        for start in range(0, chunks, chunk_size):
+        # The cross-entropy path's chunk: compiled with `fused` (one static shape: the last chunk padded), else as
+        # written; its gradient in float32 where the head learns (summed over chunks), else in the head's dtype.
+        compiled = fused and not distill
+        ce_chunk = _compiled_cross_entropy_chunk() if compiled else cross_entropy_chunk
+        grad_dtype = (torch.float32 if need_w else weight.dtype) if (need_h or need_w) else None
+        for start in range(0, num, chunk_size):
             end = min(start + chunk_size, num)
-            h, lab, rows = hidden[start:end], labels[start:end], torch.arange(end - start, device=hidden.device)
+            h, lab, row_weights, row_scale = (t[start:end] for t in (hidden, labels, pos_weights, scale))
+            if compiled:  # the missing rows of the last chunk: zeros with weight 0
+                h, lab, row_weights, row_scale = (_padded_rows(t, chunk_size)
+                                                  for t in (h, lab, row_weights, row_scale))
             products = h @ weight.t()  # [n, V] in the compute dtype
             if candidates_k:  # DFlash 2's candidates, from these logits rather than a second head product (and
-                # before the float32 copy: the same values, half the bytes to read in bf16)
-                candidates[start:end] = products.topk(candidates_k, dim=-1).indices
-            logits = products.float()  # the only large buffer
-            del products
-            lse = torch.logsumexp(logits, dim=-1)
-            weighted_ce += (pos_weights[start:end] * (lse - logits[rows, lab])).sum()
-            correct[start:end] = logits.argmax(dim=-1) == lab
-            if distill:
+                # before any float32 copy: the same values, half the bytes to read in bf16)
+                candidates[start:end] = products[: end - start].topk(candidates_k, dim=-1).indices
+            if not distill:
+                ce, chunk_correct, grad_logits = ce_chunk(products, lab, row_weights, row_scale, ce_weight,
+                                                          grad_dtype)
+                weighted_ce += ce
+                correct[start:end] = chunk_correct[: end - start]
+            else:
+                rows = torch.arange(end - start, device=hidden.device)
+                logits = products.float()  # the only large buffer
+                del products
+                lse = torch.logsumexp(logits, dim=-1)
+                weighted_ce += (row_weights * (lse - logits[rows, lab])).sum()
+                correct[start:end] = logits.argmax(dim=-1) == lab
                 ids = topk_ids[start:end].long()
                 p, log_p, p_tail, log_p_tail = target_distribution(topk_logprobs[start:end], vocab)
                 top_logits = logits.gather(1, ids)
@@ -213,13 +202,9 @@ class _ChunkedLinearLoss(torch.autograd.Function):
                 log_q = top_logits - lse[:, None]
                 tail_term = torch.where(p_tail > 0, p_tail * (log_p_tail - (tail_lse - lse)), 0.0)
                 kl = (p * (log_p - log_q)).sum(dim=-1) + tail_term
-                weighted_kl += (pos_weights[start:end] * kl).sum()
-            if need_h or need_w:
-                if not distill:
-                    grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-                    if ce_weight != 1.0:
-                        grad_logits.mul_(ce_weight)
-                else:
+                weighted_kl += (row_weights * kl).sum()
+                grad_logits = None
+                if need_h or need_w:
                     # d/dz = (ce_weight + kl_weight) q - ce_weight onehot(label) - kl_weight p*, where p* is p on the
                     # K tokens and p_tail q_v / q_tail on the others: the others as exp(z_v - tail_lse) (<= 1)
                     # times ((ce_weight + kl_weight) q_tail - kl_weight p_tail); the K columns are then overwritten.
@@ -230,14 +215,15 @@ class _ChunkedLinearLoss(torch.autograd.Function):
                     grad_logits = logits.sub_(torch.where(has_tail, tail_lse, lse)[:, None]).exp_()
                     grad_logits.mul_(factor[:, None])
                     grad_logits.scatter_(1, ids, total * log_q.exp() - kl_weight * p)
-                if ce_weight:
-                    grad_logits[rows, lab] -= ce_weight
-                grad_logits.mul_(scale[start:end, None])  # [n, V] float32
-                if need_h:
-                    grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-                if need_w:
-                    grad_weight += grad_logits.t() @ h.float()
-            del logits
+                    if ce_weight:
+                        grad_logits[rows, lab] -= ce_weight
+                    grad_logits.mul_(row_scale[:, None])  # [n, V] float32
+                del logits
+            if need_h:
+                grad_hidden[start:end] = (grad_logits[: end - start].to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                grad_weight += grad_logits.float().t() @ h.float()
+            del grad_logits
         ctx.save_for_backward(*(t for t in (grad_hidden, grad_weight) if t is not None))
         ctx.has = (need_h, need_w)
         ctx.weight_dtype = weight.dtype
