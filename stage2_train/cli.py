@@ -109,14 +109,14 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
               help="Seed of the split, the shuffles, the anchors and the initial weights.")
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa", "eager"]), default=TrainOptions.attention,
               show_default=True,
-              help="auto = flex_attention on CUDA for drafters of hidden size >= 2048, SDPA below it and on CPU. "
-                   "For small drafters flex is faster per step once compiled (1.6x for SmolLM2's on an H100, after "
-                   "~60 s of compilation: worth it beyond ~750 steps; docs/benchmarks.md).")
-@click.option("--compile", "compile_", is_flag=True,
+              help="auto = on CUDA, flex_attention for runs of >= 500 steps (compiled, see --compile) and for "
+                   "drafters of hidden size >= 2048; grouped SDPA otherwise and on CPU (docs/benchmarks.md).")
+@click.option("--compile/--no-compile", "compile_", default=None,
               help="torch.compile each drafter layer and the cross-entropy's chunks, in each training process "
-                   "(masks are built eagerly). "
-                   "With SDPA it crashed on torch 2.11 CUDA when packed batch shapes vary; with --attention flex "
-                   "it ran (2x the default step for SmolLM2's drafter; docs/benchmarks.md).")
+                   "(masks are built eagerly). Default: on for runs of >= 500 steps on CUDA with flex attention "
+                   "(2x the plain step for SmolLM2's drafter on an H100, ~2 minutes of compilation with flex's; "
+                   "docs/benchmarks.md), off on CPU, with --fsdp and in shorter runs. With SDPA it crashed on torch "
+                   "2.11 CUDA when packed batch shapes vary.")
 @click.option("--fsdp", is_flag=True,
               help="Shard the drafter with FSDP instead of DDP (GPUs only; eval and export gather the weights).")
 @click.option("--mixed-precision", type=click.Choice(["auto", "bf16", "no"]), default=TrainOptions.mixed_precision,
@@ -132,7 +132,7 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
               help="Training processes to spawn on this machine (default: one per GPU, 1 on CPU). "
                    "`accelerate launch -m dflash.shared.cli train ...` works too.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug messages on the console.")
-def train_command(processes: int | None, compile_: bool, **kwargs: object) -> None:
+def train_command(processes: int | None, compile_: bool | None, **kwargs: object) -> None:
     """Stage 2: train a DFlash drafter from a feature cache, measure its offline acceptance, export it.
 
     The target model is never loaded: the cache's target/ folder supplies the frozen embedding and LM head.
@@ -158,7 +158,7 @@ def train_command(processes: int | None, compile_: bool, **kwargs: object) -> No
         _train(processes, compile_, kwargs)
 
 
-def _train(processes: int | None, compile_: bool, kwargs: dict[str, object]) -> None:
+def _train(processes: int | None, compile_: bool | None, kwargs: dict[str, object]) -> None:
     import os
 
     import torch

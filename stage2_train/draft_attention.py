@@ -155,12 +155,9 @@ class TrainingAttention:
     def backend(self, device: torch.device) -> str:
         if self.implementation == "auto":
             # Measured on an H200 (benchmarks/results): flex's block-sparse kernels win for large drafters (hidden
-            # 4096: 0.755 vs 1.041 s/step). For small ones (hidden 576, SmolLM2's 5 layers) on the packed layout,
-            # the real training step on an H100 took 0.141 s with flex vs 0.223 s with grouped SDPA, after ~62 s
-            # more of compilation (docs/benchmarks.md, "The real training step by attention path"): flex pays
-            # back after ~750 steps. Its first whole training run failed (the evaluation used up the recompile
-            # limit, since fixed by `uncompiled_sdpa`) and is to be repeated, so small drafters stay on SDPA here
-            # for now; pass --attention flex for long runs.
+            # 4096: 0.755 vs 1.041 s/step). A training run never gets here: fast_path.training_path chooses its
+            # kernel by the run's length too (flex for small drafters in long runs); this rule serves drafters
+            # built elsewhere (benchmarks, tests, `load_draft`).
             large = self.hidden_size >= FLEX_MIN_HIDDEN_SIZE
             return "flex" if device.type == "cuda" and large else "sdpa"
         return self.implementation

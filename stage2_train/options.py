@@ -62,7 +62,7 @@ class TrainOptions:
     init_from_target: str | None = None  # target layers to start from (target_init.py): last, first or ids
     seed: int = 0
     attention: str = "auto"
-    compile: bool = False
+    compile: bool | None = None  # None: chosen by the device and the run's length (fast_path.py)
     fsdp: bool = False
     mixed_precision: str = "auto"
     num_workers: int = 2

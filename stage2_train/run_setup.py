@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,8 @@ from dflash.shared.output_dirs import refuse_foreign_folder
 from dflash.shared.run_files import BEST_RECORD_FILE, CONFIG_FILE, RunFiles
 from dflash.stage2_train.cache_index import CacheIndex
 from dflash.stage2_train.checkpoints import intact_checkpoint
-from dflash.stage2_train.draft_attention import training_drafter
+from dflash.stage2_train.draft_attention import training_drafter, use_training_attention
+from dflash.stage2_train.fast_path import describe, training_path
 from dflash.stage2_train.draft_config import DFLASH2_DEFAULTS, DFlashConfig, config_from_target
 from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch, rank_plan
 from dflash.stage2_train.modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
@@ -146,7 +147,6 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     """Build a run in order: the objective (refused at once on a cache without what it needs), accelerator and
     logs, cache and split, drafter, optimizer and schedule, compile; then the resume point (checkpoint loaded) and
     the run's records on disk."""
-    objective = make_objective(options.loss, options.kl_weight, options.compile)
     check_cache_for(options.loss, cf.read_manifest(options.cache.resolve()), options.cache)
     if options.init_from is not None and options.init_from_target is not None:
         raise UserError("--init-from EXPORT_DIR and --init-from-target both choose the drafter's first weights: "
@@ -175,7 +175,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     run = TrainingRun(
         options=options, files=files, accelerator=accelerator, cache=cache, manifest=manifest,
         codec=manifest_codec(manifest), index=index, parts=parts, config=config, mask_token_id=mask_token_id,
-        model=model, optimizer=None, scheduler=None, objective=objective,
+        model=model, optimizer=None, scheduler=None, objective=make_objective(options.loss, options.kl_weight),
         compute_dtype=compute_dtype,
         embed=parts.embed_tokens.to(device, compute_dtype), lm_head=parts.lm_head.to(device, compute_dtype),
         position_weights=position_weights(options.block_size, options.gamma or default_gamma(options.block_size),
@@ -189,23 +189,49 @@ def setup_run(options: TrainOptions) -> TrainingRun:
                         f"{options.grad_accum} micro-batches of {options.batch_tokens} tokens: lower --batch-tokens "
                         "or --grad-accum")
     run.total_steps = options.max_steps or sum(run.steps_in_epoch(e) for e in range(options.epochs))
+    choose_training_path(run)
+    options = run.options
     say_oversized_sequences(run)
     make_optimizer(run)
     run.memory = plan_memory(run)
     if options.compile:
-        # Each decoder layer, compiled in place in this process: the mask building stays eager (its data-dependent
-        # indexing is cheap and made inductor fail on CPU when the whole drafter was compiled), and weight names,
-        # checkpoints and the export stay those of the uncompiled drafter.
-        layers = accelerator.unwrap_model(run.model).layers
-        for layer in layers:
-            layer.compile()
-        log.info("--compile: %d decoder layers compile on their first steps", len(layers))
+        compile_layers(accelerator.unwrap_model(run.model))
     accelerator.register_for_checkpointing(run.state)
     if options.resume:
         resume(run)
     if run.is_main:
         write_run_records(run)
     return run
+
+
+def compile_layers(model: DFlashDraftModel) -> None:
+    """--compile: each decoder layer compiled in place in this process. The mask building stays eager (its
+    data-dependent indexing is cheap and made inductor fail on CPU when the whole drafter was compiled), and weight
+    names, checkpoints and the export stay those of the uncompiled drafter. Inductor's split reductions are turned
+    off (unless TORCHINDUCTOR_SPLIT_REDUCTIONS says otherwise): the compiled step was measured so on an H100 (2.04x
+    the plain step, docs/benchmarks.md), and a split reduction over symbolic sizes is where inductor's backward
+    failed on varying packed shapes with grouped SDPA."""
+    import os
+
+    import torch._inductor.config as inductor_config
+
+    if "TORCHINDUCTOR_SPLIT_REDUCTIONS" not in os.environ:
+        inductor_config.split_reductions = False
+    for layer in model.layers:
+        layer.compile()
+    log.info("compile: %d decoder layers compile on their first steps", len(model.layers))
+
+
+def choose_training_path(run: TrainingRun) -> None:
+    """`--attention auto` and an unset `--compile` become the path fast_path.py picks for this device and run
+    length (written to the run's options.json as chosen); the drafter and the objective follow it."""
+    attention, compile_ = training_path(run.options.attention, run.options.compile, run.device.type, run.total_steps,
+                                        int(run.config.hidden_size), run.options.fsdp, run.options.architecture)
+    run.options = options = replace(run.options, attention=attention, compile=compile_)
+    use_training_attention(run.model, options.attention)  # type: ignore[arg-type]
+    run.objective = make_objective(options.loss, options.kl_weight, options.compile)
+    if run.is_main:
+        log.info(describe(options.attention, options.compile, run.total_steps))
 
 
 def claim_run_dir(options: TrainOptions, files: RunFiles) -> Any:

@@ -56,6 +56,7 @@ STUCK_RELATIVE = 1e-5
 def train(options: TrainOptions, feature_transform: FeatureTransform | None = None) -> dict[str, Any]:
     """Train a drafter as `options` say; returns the last validation evaluation."""
     run = setup_run(options)
+    options = run.options  # with the attention and compilation chosen for this device and run (fast_path.py)
     metrics = MetricsLog(run)
     log.info("training %d steps (~%d per epoch) on %d process(es), %s, %d train / %d validation / %d test samples; "
              "mask token %d", run.total_steps, run.steps_per_epoch, run.world, run.device, len(run.index.train),
@@ -96,7 +97,7 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
     if options.compile:
         from torch._dynamo.utils import counters
 
-        log.info("--compile: %d graphs compiled", counters["stats"]["unique_graphs"])
+        log.info("compile: %d graphs compiled", counters["stats"]["unique_graphs"])
     peak = measured_peak_bytes(run.device)
     log.info("memory: planned peak %.2f GiB, measured %.2f GiB above the %.2f GiB in use when planned (%s peak %.2f "
              "GiB)%s", run.memory.planned_peak_bytes / GIB, (peak - run.memory.in_use_bytes) / GIB,

@@ -1,0 +1,104 @@
+"""The training path a run takes when `--attention auto` and `--compile` are left unset (fast_path.py): flex and
+compiled on CUDA for runs long enough to pay for the compilation, the plain path on CPU and in short runs, and
+whatever the user gave kept."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dflash.shared.run_files import RunFiles
+from dflash.stage2_train.draft_attention import FLEX_MIN_HIDDEN_SIZE, training_drafter
+from dflash.stage2_train.draft_config import DFlashConfig
+from dflash.stage2_train.fast_path import COMPILE_MIN_STEPS, training_path
+from dflash.stage2_train.objective import block_cross_entropy
+from dflash.stage2_train.options import TrainOptions
+from dflash.stage2_train.run_setup import choose_training_path
+from tests.conftest import run_dflash
+
+SMALL, LARGE = 576, FLEX_MIN_HIDDEN_SIZE  # SmolLM2's drafter width; the first width that takes flex at any length
+
+
+def test_cuda_long_runs_take_flex_compiled() -> None:
+    assert training_path("auto", None, "cuda", COMPILE_MIN_STEPS, SMALL) == ("flex", True)
+    assert training_path("auto", None, "cuda", 20_000, LARGE) == ("flex", True)
+
+
+def test_cuda_short_runs_stay_uncompiled() -> None:
+    assert training_path("auto", None, "cuda", COMPILE_MIN_STEPS - 1, SMALL) == ("sdpa", False)
+    assert training_path("auto", None, "cuda", COMPILE_MIN_STEPS - 1, LARGE) == ("flex", False)
+
+
+def test_cpu_takes_the_plain_path_at_any_length() -> None:
+    assert training_path("auto", None, "cpu", 10**6, SMALL) == ("sdpa", False)
+    assert training_path("auto", None, "cpu", 10**6, LARGE) == ("sdpa", False)
+
+
+def test_fsdp_and_dflash2_are_not_compiled_by_default() -> None:
+    """Neither has a measured compiled run on a GPU yet."""
+    assert training_path("auto", None, "cuda", 10**6, LARGE, fsdp=True) == ("flex", False)
+    assert training_path("auto", None, "cuda", 10**6, SMALL, fsdp=True) == ("sdpa", False)
+    assert training_path("auto", None, "cuda", 10**6, SMALL, architecture="dflash2") == ("flex", False)
+
+
+@given(attention=st.sampled_from(["auto", "flex", "sdpa", "eager"]), compile_=st.sampled_from([None, True, False]),
+       device=st.sampled_from(["cuda", "cpu"]), steps=st.integers(1, 5 * COMPILE_MIN_STEPS),
+       hidden=st.sampled_from([SMALL, LARGE]), fsdp=st.booleans(), architecture=st.sampled_from(["dflash", "dflash2"]))
+def test_given_choices_are_kept_and_compile_only_with_flex(attention: str, compile_: bool | None, device: str,
+                                                           steps: int, hidden: int, fsdp: bool,
+                                                           architecture: str) -> None:
+    chosen_attention, chosen_compile = training_path(attention, compile_, device, steps, hidden, fsdp, architecture)
+    assert chosen_attention in ("flex", "sdpa", "eager")
+    if attention != "auto":
+        assert chosen_attention == attention
+    if compile_ is not None:
+        assert chosen_compile is compile_
+    else:  # compiled by default only where it was measured to work and pay: flex on CUDA in a long run
+        assert chosen_compile == (chosen_attention == "flex" and device == "cuda" and steps >= COMPILE_MIN_STEPS
+                                  and not fsdp and architecture == "dflash")
+
+
+def tiny_run(device: str, total_steps: int, **options: object) -> SimpleNamespace:
+    config = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=50, block_size=4, num_target_layers=4,
+                          dflash_config={"mask_token_id": 3, "target_layer_ids": [1, 2]})
+    return SimpleNamespace(options=TrainOptions(cache=Path("."), **options), device=SimpleNamespace(type=device),
+                           total_steps=total_steps, config=config, model=training_drafter(config, "auto"),
+                           objective=block_cross_entropy, is_main=False)
+
+
+def test_the_run_follows_the_chosen_path() -> None:
+    """The drafter's kernel, the objective's compiled chunks and the recorded options all follow the choice."""
+    run = tiny_run("cuda", COMPILE_MIN_STEPS)
+    choose_training_path(run)  # type: ignore[arg-type]
+    assert (run.options.attention, run.options.compile) == ("flex", True)
+    assert run.model.attention.implementation == "flex"
+    assert isinstance(run.objective, functools.partial) and run.objective.keywords == {"fused": True}
+    run = tiny_run("cuda", COMPILE_MIN_STEPS, loss="ce", compile=False)
+    choose_training_path(run)  # type: ignore[arg-type]
+    assert (run.options.attention, run.options.compile) == ("flex", False)
+    assert run.objective is block_cross_entropy
+    run = tiny_run("cpu", 10**6)
+    choose_training_path(run)  # type: ignore[arg-type]
+    assert (run.options.attention, run.options.compile) == ("sdpa", False)
+    assert run.model.attention.implementation == "sdpa"
+
+
+@pytest.mark.parametrize("flags, expected", [((), ("sdpa", False)), (("--attention", "eager"), ("eager", False))])
+def test_cli_records_the_chosen_path(train_cache: Path, tmp_path: Path, flags: tuple[str, ...],
+                                     expected: tuple[str, bool]) -> None:
+    """A CPU run with no flags takes the plain path, says so, and records it in train_options.json."""
+    out = tmp_path / "run"
+    result = run_dflash("train", "--cache", str(train_cache), "--out", str(out), "--max-steps", "1",
+                        "--eval-every", "0", "--checkpoint-every", "0", "--eval-fraction", "0", "--test-fraction", "0",
+                        "--num-workers", "0", "--batch-tokens", "256", *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    recorded = json.loads(RunFiles(out).options.read_text())
+    assert (recorded["attention"], recorded["compile"]) == expected
+    assert f"training path: --attention {expected[0]} (uncompiled" in result.stderr
