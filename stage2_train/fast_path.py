@@ -1,22 +1,26 @@
 """What a training run uses when the user leaves `--attention auto` and `--compile` unset: the fastest path measured
 for the device and the run's length.
 
-Measured on an H100 (benchmarks/results/h100_train_speed_and_warm_start_2026-12-05, SmolLM2's 5-layer drafter on
-the real cache, ~28K block tokens a step; docs/benchmarks.md "The real training step by attention path"):
+Measured on an H100, SmolLM2's 5-layer drafter on the real cache, ~28K block tokens a step (docs/benchmarks.md,
+"The fast training path in whole runs"; benchmarks/results/h100_fast_path_and_loss_2026-12-06), two whole
+600-step runs alone on the GPU, the same data and schedule, test tau equal (1.335 +- 0.013 vs 1.341 +- 0.014):
 
-| path | s/step | compilation before the first fast step |
+| path | steady s/step | seconds to step 50 / 600 |
 |---|---:|---:|
-| grouped SDPA (the plain path) | 0.223 | none |
-| flex_attention | 0.141 | ~62 s |
-| flex_attention + `--compile` | 0.110 | ~55 s more |
+| grouped SDPA, uncompiled (the plain path) | 0.196 | 13.9 / 123.3 |
+| flex_attention + `--compile` (the fast path) | 0.083 (2.37x) | 94.9 / 151.6 |
 
-Flex and `--compile` together pay back their ~117 s of compilation after ~480 steps at that step size (each step
-saves 0.113 s); COMPILE_MIN_STEPS rounds that up. Large drafters (hidden size >= FLEX_MIN_HIDDEN_SIZE, e.g. the
-Qwen3-8B shape) take flex on CUDA at any length (their steps are seconds, flex was faster at every size measured).
+The fast path's compilation (~100 s on a fresh machine: flex's kernels, the decoder layers for static then dynamic
+shapes, one recompile at step 108) pays back at step ~850 (`benchmarks/break_even.py`); COMPILE_MIN_STEPS rounds
+that up. On a machine whose inductor cache already holds the kernels (a rerun, the recipe bench's later variants)
+it compiles in ~12 s and pays back within ~120 steps: pass `--compile --attention flex` there.
+Large drafters (hidden size >= FLEX_MIN_HIDDEN_SIZE, e.g. the Qwen3-8B shape) take flex on CUDA at any length (on
+an H200 flex's step was 0.755 s against 1.041 with grouped SDPA, and its compilation is small beside such steps).
 `--compile` with grouped SDPA crashed in inductor on torch 2.11 CUDA, so the compiled path is always the flex one.
 On the CPU the plain path: flex_attention has no fast CPU kernel, and compiling costs more than tests ever run.
-Not compiled by default until measured on a GPU: `--fsdp` (sharded layers under torch.compile) and DFlash 2
-(`--architecture dflash2`: its compiled step equals the eager one on CPU, tests/stage2_train/test_dflash2_cli.py).
+Not compiled by default until a whole run on a GPU confirms it: `--fsdp` (sharded layers under torch.compile) and
+DFlash 2 (`--architecture dflash2`: its compiled step ran in a 20-step benchmark on an H100, 0.145 s against
+0.244 s uncompiled in the session before; docs/benchmarks.md).
 The compiled path was measured with inductor's split reductions off, which `run_setup` sets (`compile_layers`).
 """
 
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 from dflash.stage2_train.draft_attention import FLEX_MIN_HIDDEN_SIZE
 
-COMPILE_MIN_STEPS = 500  # runs of at least this many steps compile by default on CUDA (break-even ~480, see above)
+COMPILE_MIN_STEPS = 1000  # runs of at least this many steps compile by default on CUDA (break-even ~850, see above)
 
 
 def training_path(attention: str, compile: bool | None, device_type: str, total_steps: int, hidden_size: int,
@@ -45,6 +49,6 @@ def describe(attention: str, compile: bool, total_steps: int) -> str:
     """One log line saying which path the run takes and how to change it."""
     path = f"--attention {attention}" + (" --compile" if compile else "")
     if compile:
-        return (f"training path: {path} ({total_steps} steps >= {COMPILE_MIN_STEPS}: its ~2 minutes of compilation "
-                "pay back; --no-compile or --attention sdpa for the plain path)")
+        return (f"training path: {path} ({total_steps} steps >= {COMPILE_MIN_STEPS}: its ~100 s of compilation pay "
+                "back; --no-compile --attention sdpa for the plain path)")
     return f"training path: {path} (uncompiled; --compile and --attention flex for long runs on a GPU)"
