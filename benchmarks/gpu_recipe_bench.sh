@@ -11,7 +11,8 @@
 #                                                  caches; prints the bench's table and the last lines of its log
 #
 # Settings (environment): VARIANTS ("NAME=FLAGS;NAME=FLAGS;...", the first the baseline; default: the issue's
-# question a, the loss), STEPS (400), EVAL_EVERY (200), TRAIN_FLAGS (every variant's flags), UNTIMED_STEPS (50),
+# question b, anchors per sequence: the default density 1/6 (capped at 512), 64 a sequence (every anchor position up
+# to 64), density 1/3 uncapped; question a, the loss, was answered on 2026-12-06), STEPS (600), EVAL_EVERY (200), TRAIN_FLAGS (every variant's flags), UNTIMED_STEPS (50),
 # LIVE_SAMPLES (20), LIVE_TOKENS (512), LIVE_FLAGS, and RESULTS_FROM: a folder of an earlier bench's results/*.json
 # (carried in the tree, e.g. from a lost machine's state.tgz): they are copied into $OUT/bench/results first, and
 # the bench skips every variant whose result is complete there.
@@ -49,10 +50,14 @@
 # 0.40-0.43 s (DFlash 2) at --batch-tokens 49152: 206-228 s per variant at 300 steps; live tau (4 evaluations of
 # 20 x 512 side by side) 130 s. Follow-ups: EVAL_ALONE 153 s, EVAL_DECODE 113 s, a train profile 40-55 s (85 s
 # until --compile crashed), WARM_STEPS=150 about 4-5 min. So three variants x 300 steps with live tau take ~16 min
-# of device time with the machine's start; the default 4 variants x 400 steps ~22 min: one question a session,
-# with room for one or two follow-ups. Since the grouped attention's windows are bucketed (second H100 session,
+# of device time with the machine's start; one question a session, with room for one or two follow-ups. Since the grouped attention's windows are bucketed (second H100 session,
 # benchmarks/results/h100_train_speed_and_warm_start_2026-12-05): the cache 55 s, a DFlash variant 128 s at 300
 # steps (0.20 s a step), WARM_STEPS=150 217 s, a train profile 30-90 s (flex compiles ~60 s on its first shapes).
+# On the fast path (third H100 session, 2026-12-06, 600 steps, validation every 200): the machine's start ~6 min
+# (waiting for one), the GGUF conversion 32 s, the cache 56 s; the first variant 229 s (its ~100 s of cold
+# compilation included), each later one 168 s (`--loss kl` / `mix`; 0.134 s a step), the plain path 195 s
+# (0.196 s a step); live tau of one drafter on both datasets 66 s; a DFlash 2 --compile train profile 152 s. So
+# the default 3 variants x 600 steps with live tau take ~14 min with the machine's start (when one comes at once).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 WORK=${WORK:-/tmp/dflash_work}
@@ -65,11 +70,14 @@ if [ "${1:-}" = pack ]; then
     tail -n 5 "$BENCH/bench.log" "$OUT/recipe_bench_stages.tsv" 2>/dev/null
     exit 0
 fi
-VARIANTS=${VARIANTS:-"ce=--loss ce;kl=--loss kl;mix=--loss mix;mix25=--loss mix --kl-weight 0.25"}
-STEPS=${STEPS:-400}
+VARIANTS=${VARIANTS:-"density6=;fixed64=--anchor-density 1 --max-anchors 64;density3=--anchor-density 0.3333 --max-anchors 100000"}
+STEPS=${STEPS:-600}
 EVAL_EVERY=${EVAL_EVERY:-200}
-# The packed recipe of the 2026-12-05 H100 run (about 30 sequences a step), learning rate 1e-3 as every GPU run so far.
-TRAIN_FLAGS=${TRAIN_FLAGS:-"--lr 1e-3 --batch-tokens 49152 --num-workers 6"}
+# The packed recipe of the 2026-12-05 H100 run (about 30 sequences a step), learning rate 1e-3 as every GPU run so far,
+# on the fast path at any length: the variants share one compile cache, so only the first compiles cold (~100 s;
+# later ones ~12 s: benchmarks/results/h100_fast_path_and_loss_2026-12-06). Put "--attention sdpa --no-compile" in a
+# variant's flags for the plain path.
+TRAIN_FLAGS=${TRAIN_FLAGS:-"--lr 1e-3 --batch-tokens 49152 --num-workers 6 --attention flex --compile"}
 UNTIMED_STEPS=${UNTIMED_STEPS:-50}
 LIVE_SAMPLES=${LIVE_SAMPLES:-20}
 LIVE_TOKENS=${LIVE_TOKENS:-512}
