@@ -304,7 +304,10 @@ def test_the_gpu_driver_makes_the_top_k_cache_from_the_carried_conversations(tmp
         "c0", "c1", "c2"]
     args = json.loads((tmp_path / "calls.json").read_text())["args"]
     assert args[args.index("--cache") + 1] == str(work / "cache_fp8")
-    assert [args[i + 1] for i, a in enumerate(args) if a == "--variant"] == [
-        "ce=--loss ce", "kl=--loss kl", "mix=--loss mix", "mix25=--loss mix --kl-weight 0.25"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--variant"] == [  # the default: question b, anchors
+        "density6=", "fixed64=--anchor-density 1 --max-anchors 64",
+        "density3=--anchor-density 0.3333 --max-anchors 100000"]
+    assert args[args.index("--steps") + 1] == "600"
+    assert args[args.index("--train-flags") + 1].endswith("--attention flex --compile")  # every variant fast
     stages = (out / "recipe_bench_stages.tsv").read_text()
     assert "\tcache\n" in stages and "recipe bench done (exit 0)" in stages
