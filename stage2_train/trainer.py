@@ -392,7 +392,7 @@ RECORD_LAG_STEPS = 1
 class StepLog:
     """The training steps' metrics records into metrics.jsonl and the log, RECORD_LAG_STEPS late: `queue` takes
     step N's record (its figures still on the device) after step N's work is queued and writes the records before
-    it; `flush` writes the one still pending, which the loop does before anything that reads the drafter or the
+    it; `flush` writes those still pending, which the loop does before anything that reads the drafter or the
     metrics (an evaluation, a checkpoint, the end of the run, an error leaving the loop).
 
     Writing a record first checks its loss (`check_loss`): a loss that is not finite or stuck stops the training
@@ -428,11 +428,10 @@ class StepLog:
             raise
         ended = time.time() if ended is None else ended  # the last step queued: it ends when its figures are read
         # step_s: this step's wall time in the loop, from its start to the next step's (waiting for the loader,
-        # preparing and queuing the forward, backward and optimizer while the device runs the step before; the
-        # step's own device time is in the next step's wait when the host is ahead); a step followed by an
-        # evaluation or a checkpoint, or the last, ends when its figures are read (the device done with it): the
-        # evaluation and checkpoint are not in it. What benchmarks/recipe_bench.py times. elapsed_s: since the loop
-        # began, evaluations included.
+        # building its inputs, queuing its forward, backward and optimizer while the device still runs the step
+        # before), so that the steps' times add up to the loop's; a step followed by an evaluation or a checkpoint,
+        # and the last, ends when its figures are read (the device done with it), without the evaluation or the
+        # checkpoint. What benchmarks/recipe_bench.py times. elapsed_s: since the loop began, evaluations included.
         record["step_s"] = round(ended - launched, 4)
         record["elapsed_s"] = round(ended - self.started, 3)
         self.window_tokens += record["block_tokens"]
