@@ -410,15 +410,20 @@ class StepLog:
         record's step_s ends where the next step began (`launched`)."""
         self.pending.append((PendingRecord(record), launched))
         while len(self.pending) > RECORD_LAG_STEPS:
-            self.write(*self.pending.pop(0), ended=self.pending[0][1] if self.pending else None)
+            self.write_oldest()
 
     def flush(self) -> None:
         """Write every pending record (waiting for the device)."""
         while self.pending:
-            self.write(*self.pending.pop(0), ended=self.pending[0][1] if self.pending else None)
+            self.write_oldest()
 
-    def write(self, pending: PendingRecord, launched: float, ended: float | None) -> None:
+    def write_oldest(self) -> None:
+        """The oldest pending record: its loss checked, then its line in metrics.jsonl (and in the log every
+        log_every steps)."""
         run, options = self.run, self.run.options
+        pending, launched = self.pending.pop(0)
+        # The step ends where the next began; the last one queued when its figures are read.
+        ended = self.pending[0][1] if self.pending else None
         record = pending.settle()
         step = record["step"]
         try:
@@ -426,7 +431,7 @@ class StepLog:
         except UserError:
             self.pending.clear()  # the training stops here: no later step is recorded (as when it stopped at once)
             raise
-        ended = time.time() if ended is None else ended  # the last step queued: it ends when its figures are read
+        ended = time.time() if ended is None else ended
         # step_s: this step's wall time in the loop, from its start to the next step's (waiting for the loader,
         # building its inputs, queuing its forward, backward and optimizer while the device still runs the step
         # before), so that the steps' times add up to the loop's; a step followed by an evaluation or a checkpoint,
