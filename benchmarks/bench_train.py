@@ -4,7 +4,8 @@ tensors.
 Real cache: `python benchmarks/bench_train.py --cache CACHE --train-flags "--batch-tokens 49152 --architecture
 dflash2 [--compile]" [--name smollm2-real] --steps 20 --warmup 10 --profile 3`: the run `dflash train --cache CACHE
 TRAIN_FLAGS` would set up (options parsed by the CLI itself, its defaults), its loader and micro-batches (the
-memory plan's) and its step (`accumulate_gradients` + `update_weights`). "loader" = those steps, "memory" = the
+memory plan's) and its step (`accumulate_gradients` + `update_weights`, each step's metrics record read one step
+late, as the training loop reads it: `trainer.PendingRecord`). "loader" = those steps, "memory" = the
 first micro-batch again and again; FLOPs as below, of the drafter of the cache's target (DFlash 2's dynamic
 convolutions and path selector not counted). Results: train_NAME.json, NAME = MODEL-real_ARCHITECTURE_ATTENTION
 [_compile]_DEVICE unless --name.
@@ -13,7 +14,7 @@ Both modes then time --steps more loader steps phase by phase, the device synchr
 the timed step; the phases add up to it): waiting for the loader batch, the micro-batches' inputs
 (`micro_batch_inputs`: layout and labels on the CPU, host-to-device copy, feature decode), the drafter's forward
 (attention masks built in it), the objective, DFlash 2's selector loss, backward, and `update_weights` (clip,
-AdamW, schedule, the step's metrics). --profile N profiles N in-memory steps (time by category, top kernels).
+AdamW, schedule, the step's metrics record, read at once). --profile N profiles N in-memory steps (time by category, top kernels).
 
 Random cache (the default):
 A cache of random features (real cache format, written by the stage-1 writer) for a Qwen3-8B-shaped target:
@@ -203,8 +204,8 @@ def phased_steps(run, next_batches, to_micros, steps: int) -> dict:  # noqa: ANN
     (PHASES) and its share. The phases are timed back to back, so they add up to the phased step; the
     synchronisations make it slower than the unsynchronised step."""
     from dflash.stage2_train.loss import weight_sum
-    from dflash.stage2_train.trainer import (StepTally, add_selector_loss, block_objective, drafter_hidden,
-                                             update_weights)
+    from dflash.stage2_train.trainer import (PendingRecord, StepTally, add_selector_loss, block_objective,
+                                             drafter_hidden, update_weights)
 
     accelerator, device, block_size = run.accelerator, run.device, run.options.block_size
     seconds = dict.fromkeys(PHASES, 0.0)
@@ -241,7 +242,7 @@ def phased_steps(run, next_batches, to_micros, steps: int) -> dict:  # noqa: ANN
             accelerator.backward(loss * run.world)
             lap("backward")
             tally.add(loss, stats, micro)
-        update_weights(run, tally)  # clip, AdamW, schedule, record
+        PendingRecord(update_weights(run, tally)).settle()  # clip, AdamW, schedule, the record read
         lap("optimizer")
     step = sum(seconds.values()) / steps
     return {"steps": steps, "micro_batches_per_step": micro_count / steps, "phased_step_s": step,
@@ -291,8 +292,8 @@ def main() -> None:
     from dflash.stage2_train.loss import weight_sum
     from dflash.stage2_train.options import TrainOptions
     from dflash.stage2_train.run_setup import setup_run
-    from dflash.stage2_train.trainer import (accumulate_gradients, forward_loss, micro_batch_inputs, micro_batches,
-                                             step_batches, update_weights)
+    from dflash.stage2_train.trainer import (PendingRecord, accumulate_gradients, forward_loss, micro_batch_inputs,
+                                             micro_batches, step_batches, update_weights)
 
     import dflash.stage2_train.attention_masks as attention_masks
 
@@ -337,7 +338,7 @@ def main() -> None:
         """One optimizer step on one micro-batch: with --cache the trainer's own, else the benchmark's historic
         step (no schedule, no metrics record)."""
         if real:
-            return update_weights(run, accumulate_gradients(run, [micro]))["loss"]
+            return PendingRecord(update_weights(run, accumulate_gradients(run, [micro]))).settle()["loss"]
         total = run.accelerator.reduce(weight_sum(micro.labels, run.position_weights).detach().clone(), "sum")
         loss, _ = forward_loss(run, micro, total)
         run.accelerator.backward(loss)
@@ -376,6 +377,7 @@ def main() -> None:
     results = {}
     for name in ("memory", "loader"):
         flops, block_tokens, sequences, kept = 0.0, 0.0, 0, []
+        pending = None  # with --cache: the last step's metrics record, read one step late as the training loop does
         sync()
         begin = time.perf_counter()
         for _ in range(args.steps):
@@ -384,20 +386,26 @@ def main() -> None:
             else:
                 micros = to_micros(next_batches())
             if real:  # the FLOPs are counted after the timing, without its host synchronisations
-                update_weights(run, accumulate_gradients(run, micros))
+                record = update_weights(run, accumulate_gradients(run, micros))
+                if pending is not None:
+                    pending.settle()
+                pending = PendingRecord(record)
                 kept += [SimpleNamespace(layout=m.layout, labels=m.labels, sequences=m.sequences,
+                                         valid_blocks=m.valid_blocks,
                                          features=torch.empty(m.features.shape, device="meta")) for m in micros]
             else:
                 flops += step_flops(run.config, micros[0])
                 run_step(micros[0])
+        if pending is not None:
+            pending.settle()
         sync()
         seconds = time.perf_counter() - begin
         if real:
             flops = sum(step_flops(run.config, m) for m in kept)
-            block_tokens = sum(float(m.layout.block_valid.sum()) for m in kept) * run.options.block_size
+            block_tokens = sum(m.valid_blocks for m in kept) * run.options.block_size
             sequences = sum(m.sequences for m in kept)
         else:
-            block_tokens = args.steps * float(first.layout.block_valid.sum()) * 16
+            block_tokens = args.steps * first.valid_blocks * 16
             sequences = args.steps * args.batch
         results[name] = {"step_s": seconds / args.steps, "tflops": flops / seconds / 1e12,
                          "mfu_vs_peak": flops / seconds / H200_PEAK, "mfu_vs_measured": flops / seconds / H200_MEASURED,

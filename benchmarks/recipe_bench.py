@@ -16,8 +16,10 @@ seed, the split) are refused up front. Then live tau (`dflash eval --no-baseline
 HumanEval, 20 prompts x 512 new tokens, no time limit) for the baseline and for the best variant by best
 validation tau, one process per variant and dataset, side by side (tau does not depend on speed).
 
-Cost, per variant alone, from its metrics.jsonl: `step_s` (the step's own time: waiting for the loader, forward,
-backward, optimizer; evaluations and checkpoints excluded) and `block_tokens` of each step after the first
+Cost, per variant alone, from its metrics.jsonl: `step_s` (the step's wall time in the training loop, from its
+start to the next step's: the loop reads each step's figures one step late, so the host prepares the next step while
+the device runs this one, and the step times add up to the loop's; evaluations and checkpoints excluded) and
+`block_tokens` of each step after the first
 `--untimed-steps` (default 50), which hold the compilation and warm-up and are reported apart (untimed_s);
 s/step (mean and median: a mean well above the median means compilation or stalls inside the timed steps), block
 tokens/s, and the peak memory the trainer measured (CUDA memory allocated by torch, or the CPU resident set, over

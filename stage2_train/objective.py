@@ -41,6 +41,7 @@ class MicroBatch:
     labels: Tensor  # [1, N, Bk] the target's tokens at offsets 1..Bk-1, -100 where not supervised
     layout: PackedLayout  # where the sequences and their blocks sit, for the attention masks and positions
     sequences: int = 1  # how many sequences it packs
+    valid_blocks: int = 0  # its blocks that are not padding, counted on the CPU before the copy (no device sync)
     # The target's top-k next-token distribution of each label position (a cache extracted with
     # --store-target-topk; else None): ids [1, N, Bk, K] int32 and log-probabilities [1, N, Bk, K] float16.
     topk_ids: Tensor | None = None

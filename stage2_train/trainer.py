@@ -65,35 +65,27 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
     evaluated_step = None
     if run.state.step == 0 and options.eval_every:  # the untrained drafter: the baseline of every later figure
         last_eval, evaluated_step = evaluate(run, metrics, run.whole_drafter(), feature_transform), 0
-    started = window_start = time.time()
-    window_tokens = 0
     steps = step_batches(run)
-    recent_losses: list[float] = []
-    while run.state.step < run.total_steps:
-        step_started = time.time()
-        record = train_step(run, next(steps), feature_transform)
-        recent_losses = check_loss(run, recent_losses, record["loss"])
-        run.state.position += options.grad_accum
-        # step_s: this step alone (waiting for the loader, forward, backward, optimizer; no evaluation or
-        # checkpoint): what benchmarks/recipe_bench.py times. elapsed_s: since the loop began, evaluations included.
-        record["step_s"] = round(time.time() - step_started, 4)
-        record["elapsed_s"] = round(time.time() - started, 3)
-        window_tokens += record["block_tokens"]
-        if run.state.step % options.log_every == 0 or run.state.step == run.total_steps:
-            elapsed = time.time() - window_start
-            record["block_tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
-            record["memory_peak_gib"] = round(measured_peak_bytes(run.device) / GIB, 3)
-            remaining = (run.total_steps - run.state.step) * elapsed / max(1, options.log_every)
-            log.info("step %d/%d loss %.4f acc %.3f lr %.2e %.0f block tok/s ETA %s", run.state.step,
-                     run.total_steps, record["loss"], record["accuracy"], record["lr"],
-                     record["block_tokens_per_s"], time.strftime("%H:%M:%S", time.gmtime(remaining)))
-            window_tokens, window_start = 0, time.time()
-        metrics.write(record)
-        if options.eval_every and run.state.step % options.eval_every == 0:
-            last_eval = evaluate(run, metrics, run.whole_drafter(), feature_transform)
-            evaluated_step = run.state.step
-        if options.checkpoint_every and run.state.step % options.checkpoint_every == 0:
-            save_checkpoint(run.accelerator, run.files, run.state.step, options.keep_checkpoints)
+    step_log = StepLog(run, metrics)
+    try:
+        while run.state.step < run.total_steps:
+            step_started = time.time()
+            record = train_step(run, next(steps), feature_transform)  # queued on the device, not waited for
+            run.state.position += options.grad_accum
+            step_log.queue(record, step_started)  # writes the step before this one (check_loss: one step late)
+            evaluate_now = options.eval_every and run.state.step % options.eval_every == 0
+            checkpoint_now = options.checkpoint_every and run.state.step % options.checkpoint_every == 0
+            if evaluate_now or checkpoint_now:
+                step_log.flush()  # this step's record (and its loss checked) before the drafter is read or saved
+            if evaluate_now:
+                last_eval = evaluate(run, metrics, run.whole_drafter(), feature_transform)
+                evaluated_step = run.state.step
+            if checkpoint_now:
+                save_checkpoint(run.accelerator, run.files, run.state.step, options.keep_checkpoints)
+    except BaseException:
+        step_log.flush()  # the steps done before the error recorded, as if nothing were deferred
+        raise
+    step_log.flush()
     if options.compile:
         from torch._dynamo.utils import counters
 
@@ -111,7 +103,7 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
         last_eval = evaluate(run, metrics, whole, feature_transform)
     if whole is not None:
         export_draft(whole, run.files.export, run.manifest, run_dir=run.files.root)
-        log.info("exported the drafter to %s (%.1f min)", run.files.export, (time.time() - started) / 60)
+        log.info("exported the drafter to %s (%.1f min)", run.files.export, (time.time() - step_log.started) / 60)
     run.accelerator.wait_for_everyone()
     if run.is_main and run.index.test:
         report_test_split(run, feature_transform)
@@ -122,10 +114,11 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
     return last_eval
 
 
-def check_loss(run: TrainingRun, recent: list[float], loss: float) -> list[float]:
+def check_loss(run: TrainingRun, recent: list[float], loss: float, step: int | None = None) -> list[float]:
     """Stop a training that cannot get anywhere, in one line: a loss that is not finite (the weights diverged), or
-    one that has not moved for STUCK_STEPS steps. Returns the recent losses with this step's."""
-    step, lr = run.state.step, run.options.lr
+    one that has not moved for STUCK_STEPS steps. Returns the recent losses with this step's (`step`: the step that
+    had the loss, default the run's last)."""
+    step, lr = run.state.step if step is None else step, run.options.lr
     if not math.isfinite(loss):
         raise UserError(f"training stopped at step {step}: the loss is {loss} (not finite), the drafter's weights "
                         f"diverged: train afresh (--overwrite) with a lower --lr (now {lr:g}); the checkpoints "
@@ -183,7 +176,8 @@ def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
     topk_ids, topk_logprobs = (None, None) if topk is None else (t.to(device, non_blocking=True) for t in topk)
     return MicroBatch(features=features[None], block_ids=block_ids.to(device, non_blocking=True),
                       labels=labels.to(device, non_blocking=True), layout=layout.to(device, non_blocking=True),
-                      sequences=len(batch["lengths"]), topk_ids=topk_ids, topk_logprobs=topk_logprobs)
+                      sequences=len(batch["lengths"]), valid_blocks=int(layout.block_valid.sum()),
+                      topk_ids=topk_ids, topk_logprobs=topk_logprobs)
 
 
 def forward_loss(run: TrainingRun, micro: MicroBatch, global_weight_sum: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -234,7 +228,8 @@ def add_selector_loss(run: TrainingRun, hidden: Tensor, micro: MicroBatch, globa
 def train_step(run: TrainingRun, loader_batches: list[dict[str, Any]],
                feature_transform: FeatureTransform | None = None) -> dict[str, Any]:
     """One optimizer step over this rank's loader batches of a global step, as the micro-batches of the memory
-    plan; returns the step's metrics record.
+    plan, queued on the device without waiting for it; returns the step's metrics record (`update_weights`: its
+    figures still on the device).
 
     A step that runs out of memory all the same (another process on the GPU grew after the plan was made, say) is
     not lost: its gradients are dropped and it is run again from the same loader batches cut into smaller
@@ -305,7 +300,7 @@ class StepTally:
             self.counts[name] = self.counts.get(name, 0) + value
         self.correct += stats["correct_by_position"].float()
         self.counted += stats["count_by_position"].float()
-        self.block_tokens += int(micro.layout.block_valid.sum()) * self.correct.shape[0]
+        self.block_tokens += micro.valid_blocks * self.correct.shape[0]
 
 
 def accumulate_gradients(run: TrainingRun, micro_batches: list[MicroBatch]) -> StepTally:
@@ -326,28 +321,135 @@ def accumulate_gradients(run: TrainingRun, micro_batches: list[MicroBatch]) -> S
 
 
 def update_weights(run: TrainingRun, tally: StepTally) -> dict[str, Any]:
-    """The optimizer step after `accumulate_gradients`; returns the step's metrics record."""
+    """The optimizer step after `accumulate_gradients`; returns the step's metrics record, its figures still device
+    tensors (reduced over the processes), so that nothing here waits for the device: `PendingRecord` reads them once
+    later work is queued."""
     accelerator, options = run.accelerator, run.options
-    if options.clip:
+    if options.clip:  # the gradient norm it returns is not recorded: not read, no wait
         accelerator.clip_grad_norm_(run.model.parameters(), options.clip)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.state.step += 1
-    global_loss = accelerator.reduce(tally.loss, reduction="sum")
     correct = accelerator.reduce(tally.correct, reduction="sum")
     counted = accelerator.reduce(tally.counted, reduction="sum")
-    record = {"step": run.state.step, "loss": float(global_loss), "lr": run.scheduler.get_last_lr()[0],
-              "accuracy": float(correct[1:].sum() / counted[1:].sum().clamp(min=1)),
-              "labels": int(counted[1:].sum()),  # supervised drafted tokens in the global batch
+    record = {"step": run.state.step, "loss": accelerator.reduce(tally.loss, reduction="sum"),
+              "lr": run.scheduler.get_last_lr()[0],
+              "accuracy": correct[1:].sum() / counted[1:].sum().clamp(min=1),
+              "labels": counted[1:].sum().long(),  # supervised drafted tokens in the global batch
               "block_tokens": tally.block_tokens * run.world}
     for name in sorted(tally.terms):
-        record[f"loss_{name}"] = float(accelerator.reduce(tally.terms[name], reduction="sum"))
+        record[f"loss_{name}"] = accelerator.reduce(tally.terms[name], reduction="sum")
     if tally.counts:  # DFlash 2: how often the true token is among the selector's candidates
-        hits = float(accelerator.reduce(tally.counts["candidate_hits"].float(), reduction="sum"))
-        positions = float(accelerator.reduce(tally.counts["candidate_positions"].float(), reduction="sum"))
-        record["candidate_recall"] = hits / max(positions, 1.0)
+        hits = accelerator.reduce(tally.counts["candidate_hits"].float(), reduction="sum")
+        positions = accelerator.reduce(tally.counts["candidate_positions"].float(), reduction="sum")
+        record["candidate_recall"] = hits.double() / positions.double().clamp(min=1.0)  # as Python's float division
     return record
+
+
+class PendingRecord:
+    """A step's metrics record (`update_weights`) on its way to the host: its device figures are copied into host
+    memory behind the step's work as soon as it is queued, and `settle` waits for that copy alone (a CUDA event),
+    not for work queued after it. Read one step late, the host never waits for the device inside a step.
+
+    The figures travel as one float64 tensor: float32 and integer figures are exact in it, so the numbers are
+    those `float()` / `int()` of each tensor gave."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = {k: v for k, v in record.items() if not isinstance(v, Tensor)}
+        figures = {k: v for k, v in record.items() if isinstance(v, Tensor)}
+        self.names = list(figures)
+        self.integers = {k for k, v in figures.items() if not v.is_floating_point()}
+        self.ready: torch.cuda.Event | None = None
+        self.values: Tensor | None = None
+        if figures:
+            values = torch.stack([v.detach().reshape(()).double() for v in figures.values()])
+            if values.device.type == "cuda":
+                self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                self.values.copy_(values, non_blocking=True)
+                self.ready = torch.cuda.Event()
+                self.ready.record()
+            else:
+                self.values = values
+
+    def settle(self) -> dict[str, Any]:
+        """The record with Python numbers (waits for this step's figures, nothing later)."""
+        if self.values is None:
+            return dict(self.record)
+        if self.ready is not None:
+            self.ready.synchronize()
+        numbers = self.values.cpu().tolist()
+        figures = {k: int(x) if k in self.integers else x for k, x in zip(self.names, numbers)}
+        return {**self.record, **figures}
+
+
+# Steps between queuing a step and reading its metrics record (`StepLog`): 1, the host prepares step N+1 while the
+# device still runs step N; 0 reads each record at once, the host waiting for the device every step (the order
+# before the records were deferred; the tests compare the two).
+RECORD_LAG_STEPS = 1
+
+
+class StepLog:
+    """The training steps' metrics records into metrics.jsonl and the log, RECORD_LAG_STEPS late: `queue` takes
+    step N's record (its figures still on the device) after step N's work is queued and writes the records before
+    it; `flush` writes those still pending, which the loop does before anything that reads the drafter or the
+    metrics (an evaluation, a checkpoint, the end of the run, an error leaving the loop).
+
+    Writing a record first checks its loss (`check_loss`): a loss that is not finite or stuck stops the training
+    at most one step after the step that had it (that step's update applied, no checkpoint written after it)."""
+
+    def __init__(self, run: TrainingRun, metrics: MetricsLog) -> None:
+        self.run, self.metrics = run, metrics
+        self.pending: list[tuple[PendingRecord, float]] = []  # with the time each step began
+        self.recent_losses: list[float] = []
+        self.started = self.window_start = time.time()  # the loop's start; the log window's
+        self.window_tokens = 0
+
+    def queue(self, record: dict[str, Any], launched: float) -> None:
+        """Step N's record, after its work is queued; writes the records older than RECORD_LAG_STEPS steps. A
+        record's step_s ends where the next step began (`launched`)."""
+        self.pending.append((PendingRecord(record), launched))
+        while len(self.pending) > RECORD_LAG_STEPS:
+            self.write_oldest()
+
+    def flush(self) -> None:
+        """Write every pending record (waiting for the device)."""
+        while self.pending:
+            self.write_oldest()
+
+    def write_oldest(self) -> None:
+        """The oldest pending record: its loss checked, then its line in metrics.jsonl (and in the log every
+        log_every steps)."""
+        run, options = self.run, self.run.options
+        pending, launched = self.pending.pop(0)
+        # The step ends where the next began; the last one queued when its figures are read.
+        ended = self.pending[0][1] if self.pending else None
+        record = pending.settle()
+        step = record["step"]
+        try:
+            self.recent_losses = check_loss(run, self.recent_losses, record["loss"], step=step)
+        except UserError:
+            self.pending.clear()  # the training stops here: no later step is recorded (as when it stopped at once)
+            raise
+        ended = time.time() if ended is None else ended
+        # step_s: this step's wall time in the loop, from its start to the next step's (waiting for the loader,
+        # building its inputs, queuing its forward, backward and optimizer while the device still runs the step
+        # before), so that the steps' times add up to the loop's; a step followed by an evaluation or a checkpoint,
+        # and the last, ends when its figures are read (the device done with it), without the evaluation or the
+        # checkpoint. What benchmarks/recipe_bench.py times. elapsed_s: since the loop began, evaluations included.
+        record["step_s"] = round(ended - launched, 4)
+        record["elapsed_s"] = round(ended - self.started, 3)
+        self.window_tokens += record["block_tokens"]
+        if step % options.log_every == 0 or step == run.total_steps:
+            elapsed = ended - self.window_start
+            record["block_tokens_per_s"] = self.window_tokens / max(elapsed, 1e-9)
+            record["memory_peak_gib"] = round(measured_peak_bytes(run.device) / GIB, 3)
+            remaining = (run.total_steps - step) * elapsed / max(1, options.log_every)
+            log.info("step %d/%d loss %.4f acc %.3f lr %.2e %.0f block tok/s ETA %s", step, run.total_steps,
+                     record["loss"], record["accuracy"], record["lr"], record["block_tokens_per_s"],
+                     time.strftime("%H:%M:%S", time.gmtime(remaining)))
+            self.window_tokens, self.window_start = 0, ended
+        self.metrics.write(record)
 
 
 def evaluate(run: TrainingRun, metrics: MetricsLog, model: DFlashDraftModel | None,
