@@ -245,6 +245,11 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None, None, None
 
 
+def supervised_index(labels: Tensor) -> Tensor:
+    """The flat positions of `labels` (any shape) that are supervised (not IGNORE_INDEX), ascending."""
+    return (labels.reshape(-1) != IGNORE_INDEX).nonzero(as_tuple=True)[0]
+
+
 def dflash_loss(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -254,6 +259,7 @@ def dflash_loss(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     candidates: int = 0,
     fused: bool = False,
+    label_index: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted block cross-entropy of one micro-batch, divided by the global weight sum.
 
@@ -273,10 +279,11 @@ def dflash_loss(
                        each supervised position (0 elsewhere), highest first: DFlash 2's selector candidates
                        (`selector_loss`), taken from the logits this loss builds anyway.
     ``fused``: each chunk's softmax, loss and gradient in a compiled kernel (`_compiled_cross_entropy_chunk`; the
-    same results up to float rounding), for `dflash train --compile`.
+    same results up to float rounding), for `dflash train --compile`. ``label_index``: the flat positions of
+    ``labels`` that are supervised (`supervised_index`), when the caller has them (see `block_loss`).
     """
     return block_loss(hidden, lm_head_weight, labels, weights, global_weight_sum, chunk_size=chunk_size,
-                      candidates=candidates, fused=fused)
+                      candidates=candidates, fused=fused, label_index=label_index)
 
 
 def block_loss(
@@ -293,6 +300,7 @@ def block_loss(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     candidates: int = 0,
     fused: bool = False,
+    label_index: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """ce_weight * CE + kl_weight * KL (module docstring) of one micro-batch, position-weighted, divided by the
     global weight sum; `dflash_loss` is its cross-entropy alone.
@@ -327,7 +335,9 @@ def block_loss(
     device = hidden.device
 
     flat_labels = labels.reshape(-1).to(device)
-    index = (flat_labels != IGNORE_INDEX).nonzero(as_tuple=True)[0]  # one device sync (variable N)
+    # The supervised positions: given (built on the CPU with the labels, so the host need not wait for the device
+    # here), else found on the device, which makes the host wait for the forward (variable N).
+    index = label_index.to(device) if label_index is not None else supervised_index(flat_labels)
     offsets = index % block
     selected_labels = flat_labels[index].long()
     selected_hidden = hidden.reshape(-1, hidden_size).index_select(0, index)  # autograd scatters back

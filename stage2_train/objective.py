@@ -42,6 +42,9 @@ class MicroBatch:
     layout: PackedLayout  # where the sequences and their blocks sit, for the attention masks and positions
     sequences: int = 1  # how many sequences it packs
     valid_blocks: int = 0  # its blocks that are not padding, counted on the CPU before the copy (no device sync)
+    # The flat positions of `labels` that are supervised (`loss.supervised_index`), found on the CPU before the copy
+    # so that the loss need not wait for the device to find them; None: the loss finds them itself.
+    label_index: Tensor | None = None
     # The target's top-k next-token distribution of each label position (a cache extracted with
     # --store-target-topk; else None): ids [1, N, Bk, K] int32 and log-probabilities [1, N, Bk, K] float16.
     topk_ids: Tensor | None = None
@@ -61,7 +64,7 @@ def block_cross_entropy(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, posi
     from dflash.stage2_train.loss import dflash_loss
 
     return dflash_loss(hidden.to(lm_head.dtype), lm_head, batch.labels, position_weights, global_weight_sum,
-                       candidates=candidates, fused=fused)
+                       candidates=candidates, fused=fused, label_index=batch.label_index)
 
 
 def block_kl(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, position_weights: Tensor,
@@ -89,7 +92,7 @@ def _distill(hidden: Tensor, lm_head: Tensor, batch: MicroBatch, position_weight
         raise ValueError("this objective needs the target's top-k in the micro-batch (NEEDS_TARGET_TOPK)")
     loss, stats = block_loss(hidden.to(lm_head.dtype), lm_head, batch.labels, position_weights, global_weight_sum,
                              topk_ids=batch.topk_ids, topk_logprobs=batch.topk_logprobs, ce_weight=ce_weight,
-                             kl_weight=kl_weight, candidates=candidates)
+                             kl_weight=kl_weight, candidates=candidates, label_index=batch.label_index)
     import torch
 
     denominator = torch.as_tensor(global_weight_sum, dtype=torch.float32, device=loss.device)

@@ -31,7 +31,7 @@ from dflash.stage2_train.draft_attention import uncompiled_sdpa
 from dflash.stage2_train.eval_set import eval_sequences
 from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.export import export_draft, load_draft
-from dflash.stage2_train.loss import selector_loss, weight_sum
+from dflash.stage2_train.loss import selector_loss, supervised_index, weight_sum
 from dflash.stage2_train.memory_plan import GIB, measured_peak_bytes
 from dflash.stage2_train.objective import MicroBatch
 from dflash.stage2_train.packed_batches import (packed_block_labels, packed_block_topk, packed_layout, sequence_blocks,
@@ -177,6 +177,7 @@ def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
     return MicroBatch(features=features[None], block_ids=block_ids.to(device, non_blocking=True),
                       labels=labels.to(device, non_blocking=True), layout=layout.to(device, non_blocking=True),
                       sequences=len(batch["lengths"]), valid_blocks=int(layout.block_valid.sum()),
+                      label_index=supervised_index(labels).to(device, non_blocking=True),
                       topk_ids=topk_ids, topk_logprobs=topk_logprobs)
 
 

@@ -108,3 +108,49 @@ def test_a_loss_that_is_not_finite_stops_the_training_one_step_late_at_most(
         trainer.train(options)
     assert [r["step"] for r in records(tmp_path / "run") if "loss" in r] == [1]
     assert not (tmp_path / "run" / "export").exists()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_loss_takes_the_supervised_positions_found_on_the_cpu(seed: int) -> None:
+    """`MicroBatch.label_index` (built on the CPU with the labels) gives the loss, its gradients and its stats that
+    the loss finding the positions itself gives, for the cross-entropy and the distillation path."""
+    from dflash.stage2_train.loss import IGNORE_INDEX, block_loss, position_weights, supervised_index
+
+    generator = torch.Generator().manual_seed(seed)
+    blocks, block, hidden_size, vocab, k = 5, 4, 16, 40, 6
+    labels = torch.randint(0, vocab, (1, blocks, block), generator=generator)
+    labels[torch.rand(labels.shape, generator=generator) < 0.4] = IGNORE_INDEX
+    labels[..., 0] = IGNORE_INDEX
+    head = torch.randn(vocab, hidden_size, generator=generator)
+    topk_ids = torch.randint(0, vocab, (1, blocks, block, k), generator=generator)
+    topk_logprobs = torch.log_softmax(torch.randn(1, blocks, block, k, generator=generator), -1)
+    weights = position_weights(block, 2.0)
+    outcomes = []
+    for index in (None, supervised_index(labels)):
+        hidden = torch.randn(1, blocks * block, hidden_size, generator=torch.Generator().manual_seed(seed),
+                             requires_grad=True)
+        loss, stats = block_loss(hidden, head, labels, weights, 7.0, topk_ids=topk_ids, topk_logprobs=topk_logprobs,
+                                 ce_weight=0.5, kl_weight=0.5, candidates=3, label_index=index)
+        loss.backward()
+        outcomes.append((loss.detach(), hidden.grad, stats))
+    (loss_a, grad_a, stats_a), (loss_b, grad_b, stats_b) = outcomes
+    assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b)
+    for name in ("weighted_ce_sum", "weighted_kl_sum", "correct_by_position", "count_by_position", "candidates"):
+        assert torch.equal(stats_a[name], stats_b[name]), name
+
+
+def test_micro_batches_carry_their_supervised_positions(train_cache: Path, tmp_path: Path) -> None:
+    from dflash.stage2_train.loss import supervised_index
+    from dflash.stage2_train.run_setup import setup_run
+
+    options = TrainOptions(cache=train_cache, out=tmp_path / "run", max_steps=2, draft_layers=1, batch_tokens=1024,
+                           num_workers=0, eval_fraction=0.0, test_fraction=0.0, mixed_precision="no")
+    run = setup_run(options)
+    try:
+        batch = next(iter(run.loader(0, 0)))
+        micro = trainer.micro_batch_inputs(run, batch)
+        assert micro.label_index is not None and micro.label_index.numel() > 0
+        assert torch.equal(micro.label_index, supervised_index(micro.labels))
+    finally:
+        if run.lock is not None:
+            run.lock.release()
