@@ -281,6 +281,9 @@ def main() -> None:
     parser.add_argument("--exact-windows", action="store_true",
                         help="grouped SDPA over the exact widest context window of each micro-batch (the code "
                              "before attention_masks.window_width rounded it up), to compare")
+    parser.add_argument("--record-at-once", action="store_true",
+                        help="with --cache: read each step's metrics record right after the step (the host waits "
+                             "for the device every step, the loop before trainer.StepLog), to compare")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -390,6 +393,9 @@ def main() -> None:
                 if pending is not None:
                     pending.settle()
                 pending = PendingRecord(record)
+                if args.record_at_once:
+                    pending.settle()
+                    pending = None
                 kept += [SimpleNamespace(layout=m.layout, labels=m.labels, sequences=m.sequences,
                                          valid_blocks=m.valid_blocks,
                                          features=torch.empty(m.features.shape, device="meta")) for m in micros]
@@ -445,7 +451,7 @@ def main() -> None:
                                          "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
                                          "flash": torch.backends.cuda.flash_sdp_enabled(),
                                          "math": torch.backends.cuda.math_sdp_enabled()},
-               "exact_windows": not attention_masks.BUCKET_WINDOWS,
+               "exact_windows": not attention_masks.BUCKET_WINDOWS, "record_at_once": args.record_at_once,
                "inductor_split_reductions": inductor_config.split_reductions if run.options.compile else None,
                "warmup_s": warmup_s, "results": results,
                "loader_overhead": results["loader"]["step_s"] / results["memory"]["step_s"] - 1,

@@ -22,6 +22,8 @@ def row_label(summary: dict) -> str:
         parts.append("exact windows")
     if summary.get("inductor_split_reductions") is False:
         parts.append("split reductions off")
+    if summary.get("record_at_once"):
+        parts.append("record read every step")
     return "; ".join(p for p in parts if p)
 
 
