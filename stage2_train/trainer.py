@@ -15,7 +15,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +83,10 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
             if checkpoint_now:
                 save_checkpoint(run.accelerator, run.files, run.state.step, options.keep_checkpoints)
     except BaseException:
-        step_log.flush()  # the steps done before the error recorded, as if nothing were deferred
+        # The steps done before the error recorded, as if nothing were deferred; an error of that (e.g. the device
+        # itself failed) must not hide the one that stopped the loop.
+        with suppress(Exception):
+            step_log.flush()
         raise
     step_log.flush()
     if options.compile:
