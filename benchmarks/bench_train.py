@@ -60,6 +60,10 @@ TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num
             num_key_value_heads=2, head_dim=16)
 H200_PEAK = 989.5e12
 H200_MEASURED = 775e12
+LAYER_IDS = [1, 9, 17, 25, 33]  # the target layers the random cache holds (5 of the 36)
+ANCHORS = 512  # anchors per sequence of the random cache's micro-batches
+PROMPT_TOKENS = 64  # the first tokens of every random sequence are prompt (loss mask 0)
+MASK_TOKEN_ID = 151669  # the mask token of Qwen3 drafters (the first id past its added tokens), modulo the vocabulary
 
 
 def build_cache(root: Path, target: dict, samples: int, length: int, layer_ids: list[int], shards: int) -> None:
@@ -83,7 +87,7 @@ def build_cache(root: Path, target: dict, samples: int, length: int, layer_ids: 
     per_shard = samples // shards
     for shard in range(shards):
         mask = np.ones(length, np.uint8)
-        mask[:64] = 0
+        mask[:PROMPT_TOKENS] = 0
         token_arrays = {
             "input_ids": rng.integers(0, target["vocab_size"], per_shard * length).astype(np.int32),
             "loss_mask": np.tile(mask, per_shard), "offsets": np.arange(per_shard + 1, dtype=np.int64) * length,
@@ -98,6 +102,29 @@ def build_cache(root: Path, target: dict, samples: int, length: int, layer_ids: 
         manifest["shards"][str(shard)] = {"status": "done", "samples": per_shard, "tokens": per_shard * length,
                                           "loss_tokens": int(token_arrays["loss_mask"].sum()), "skipped": {}}
     cf.write_json_atomic(root / cf.MANIFEST_FILE, manifest)
+
+
+def random_options(work: Path, target: dict, samples: int, length: int, batch: int, workers: int, attention: str,
+                   compile: bool):  # noqa: ANN201 - TrainOptions
+    """The random-cache run: a cache of `samples` random sequences of `length` tokens written to work/cache, and
+    the options that train on it with micro-batches of `batch` sequences with ANCHORS anchors each (every candidate
+    up to the cap; the packed budget counts context and block tokens)."""
+    from dflash.stage2_train.options import TrainOptions
+
+    started = time.time()
+    build_cache(work / "cache", target, samples, length, LAYER_IDS, shards=4)
+    print(f"cache built in {time.time() - started:.1f} s", flush=True)
+    return TrainOptions(cache=work / "cache", out=work / "run", max_steps=10**6, mask_token_id=MASK_TOKEN_ID % target[
+        "vocab_size"], batch_tokens=batch * (length + ANCHORS * 16), anchor_density=1.0, max_anchors=ANCHORS,
+        eval_fraction=0.0, eval_every=0, checkpoint_every=0, num_workers=workers, attention=attention,
+        compile=compile, mixed_precision="bf16" if torch.cuda.is_available() else "no")
+
+
+def throughput(flops: float, seconds: float, steps: int, block_tokens: float, sequences: int) -> dict:
+    """The figures of `steps` timed steps that took `seconds` in all."""
+    return {"step_s": seconds / steps, "tflops": flops / seconds / 1e12, "mfu_vs_peak": flops / seconds / H200_PEAK,
+            "mfu_vs_measured": flops / seconds / H200_MEASURED, "block_tokens_per_s": block_tokens / seconds,
+            "samples_per_s": sequences / seconds}
 
 
 def step_flops(config, inputs: dict) -> float:  # type: ignore[no-untyped-def]
@@ -293,7 +320,6 @@ def main() -> None:
     if not real and args.samples < args.batch * (args.steps + 1):  # the loader variant reads a first batch, then --steps
         parser.error(f"--samples must be at least --batch x (--steps + 1) = {args.batch * (args.steps + 1)}")
     from dflash.stage2_train.loss import weight_sum
-    from dflash.stage2_train.options import TrainOptions
     from dflash.stage2_train.run_setup import setup_run
     from dflash.stage2_train.trainer import (PendingRecord, accumulate_gradients, forward_loss, micro_batch_inputs,
                                              micro_batches, step_batches, update_weights)
@@ -321,17 +347,8 @@ def main() -> None:
         label = json.loads((Path(options.cache) / cf.MANIFEST_FILE).read_text())["identity"]["target_source"]
         label = f"{label.split(':')[-1].rstrip('/').split('/')[-1].lower()}-real_{options.architecture}"
     else:
-        target = TINY if args.tiny else QWEN3_8B
-        started = time.time()
-        build_cache(work / "cache", target, args.samples, args.length, [1, 9, 17, 25, 33], shards=4)
-        print(f"cache built in {time.time() - started:.1f} s", flush=True)
-        # --batch sequences of --length tokens with 512 anchors each (every candidate up to the cap): the packed
-        # budget counts context and block tokens.
-        options = TrainOptions(cache=work / "cache", out=work / "run", max_steps=10**6, mask_token_id=151669 % target[
-            "vocab_size"], batch_tokens=args.batch * (args.length + 512 * 16), anchor_density=1.0, max_anchors=512,
-            eval_fraction=0.0, eval_every=0, checkpoint_every=0,
-            num_workers=args.workers, attention=args.attention, compile=args.compile,
-            mixed_precision="bf16" if torch.cuda.is_available() else "no")
+        options = random_options(work, TINY if args.tiny else QWEN3_8B, args.samples, args.length, args.batch,
+                                 args.workers, args.attention, args.compile)
         label = "tiny" if args.tiny else "qwen3-8b"
     run = setup_run(options)
     device = run.device
@@ -413,10 +430,7 @@ def main() -> None:
         else:
             block_tokens = args.steps * first.valid_blocks * 16
             sequences = args.steps * args.batch
-        results[name] = {"step_s": seconds / args.steps, "tflops": flops / seconds / 1e12,
-                         "mfu_vs_peak": flops / seconds / H200_PEAK, "mfu_vs_measured": flops / seconds / H200_MEASURED,
-                         "block_tokens_per_s": block_tokens / seconds,
-                         "samples_per_s": sequences / seconds}
+        results[name] = throughput(flops, seconds, args.steps, block_tokens, sequences)
         print(name, json.dumps(results[name]), flush=True)
     if not real:  # the phased pass reads the epoch again: --samples need only cover the loader variant
         del loader
@@ -465,7 +479,7 @@ def main() -> None:
                         + ("; DFlash 2's dynamic convolutions and path selector are not counted"
                            if run.options.architecture == "dflash2" else "")})
     else:
-        summary.update({"length": args.length, "batch": args.batch, "anchors": 512, "loader_workers": args.workers})
+        summary.update({"length": args.length, "batch": args.batch, "anchors": ANCHORS, "loader_workers": args.workers})
     print(json.dumps(summary, indent=2))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"train_{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
