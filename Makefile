@@ -32,6 +32,11 @@ $(STAMP): pyproject.toml Makefile
 	# test that every export loads in it (tests/stage2_train/test_zlab_compat.py); never installed.
 	rm -rf $(VENV)/reference && $(BIN)/pip download -q --no-deps "dflash==0.1.0" -d $(VENV)/reference
 	$(BIN)/python -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(VENV)/reference/dflash-0.1.0-*.whl')[0]).extractall('$(VENV)/reference')"
+	# SpecForge's (PyPI `specforge`), for benchmarks/bench_specforge.py, which times its own DFlash training step, and
+	# its test: its files only, without its dependencies (sglang, wandb, ...; its DFlash training modules import
+	# none of them); the script puts the folder on sys.path when `specforge` is not installed.
+	rm -rf $(VENV)/reference_specforge && $(BIN)/pip download -q --no-deps "specforge==0.2.0" -d $(VENV)/reference_specforge
+	$(BIN)/python -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(VENV)/reference_specforge/specforge-0.2.0-*.whl')[0]).extractall('$(VENV)/reference_specforge')"
 	touch $(STAMP)
 
 install: $(STAMP)
