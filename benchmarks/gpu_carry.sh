@@ -3,7 +3,7 @@
 # repository root, after `make install`): the device has no network and no zarr / numcodecs / gguf, and one call
 # carries at most 64 MiB, so the 98 MB GGUF travels in two halves.
 #
-#   .whl/      Python 3.12 wheels of what the GPU machine lacks             (call 1, `setup`)
+#   .whl/      Python 3.12 wheels of what the GPU machine lacks, and SpecForge's (call 1, `setup`)
 #   .carry_a/  the GGUF's first half                                        (call 1, `setup`)
 #   .carry_b/  the GGUF's second half, the HumanEval / MT-Bench files, the first FIRST_TURNS ShareGPT
 #              conversations cut after their first answer (call 2, `model`; 64 MiB with the tree)
@@ -18,6 +18,8 @@ rm -rf .whl .carry_a && mkdir -p .whl .carry_a .carry_b/site
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 gguf==0.19.0
+# SpecForge's own DFlash step (`gpu_pipeline.sh specforge`): its wheel alone, installed without its dependencies.
+$PY -m pip download -q --no-deps -d .whl specforge==0.2.0
 gguf=$($PY -c 'from dflash.shared.embedded import smollm2_gguf; print(smollm2_gguf())')
 (cd .carry_a && split -b "${GGUF_PART:-55000000}" "$gguf" gguf. && rm -f ../.carry_b/gguf.ab && mv gguf.ab ../.carry_b/)
 $PY - <<'EOF'
