@@ -194,7 +194,7 @@ def gpu_samples(text: str) -> dict[str, Any]:
 
 def summarize(folder: Path) -> dict[str, Any]:
     files = raw_files(folder)
-    summary: dict[str, Any] = {"folder": folder.name, "made_by": "benchmarks/summarize_results.py"}
+    summary: dict[str, Any] = {"folder": folder.resolve().name, "made_by": "benchmarks/summarize_results.py"}
     for name in ("timings.tsv", "padded/timings.tsv", "padded_timings.tsv"):
         if name in files:
             summary[f"stages ({name})"] = stages(_text(files[name]))
