@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,24 @@ def baseline_cache(tmp_path_factory: pytest.TempPathFactory, chat_jsonl: Path) -
     out = tmp_path_factory.mktemp("baseline") / "cache"
     run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS, check=True)
     return out
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Iterator[object]:
+    """The embedded bf16 target in this process, with torch on the thread count of a 1-worker extraction
+    (`detect_devices`), as the forwards that compare with the caches above want; the process's own count is back
+    after the module (set for good, it slowed every later file of the process)."""
+    import torch
+
+    from dflash.shared.target_loading import load_target_model, resolve_target
+    from dflash.stage1_extract.supervisor import detect_devices
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(detect_devices(1)[1])
+    try:
+        yield load_target_model(resolve_target(None).load_path, "cpu")
+    finally:
+        torch.set_num_threads(threads)
 
 
 TOPK = 8  # the top-k of the `topk_cache` fixture
