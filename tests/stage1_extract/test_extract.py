@@ -175,12 +175,15 @@ def test_two_workers_produce_the_same_cache_as_one(baseline_cache: Path, chat_js
     assert_same_cache(baseline_cache, out)
 
 
-def test_rerun_of_a_complete_cache_does_nothing(baseline_cache: Path, chat_jsonl: Path) -> None:
-    before = (baseline_cache / "manifest.json").read_text()
-    result = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(baseline_cache), *EXTRACT_ARGS)
+def test_rerun_of_a_complete_cache_does_nothing(baseline_cache: Path, chat_jsonl: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cache"
+    shutil.copytree(baseline_cache, out)  # the shared baseline is only read (the other test process reads it too)
+    before = (out / "manifest.json").read_text()
+    result = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), *EXTRACT_ARGS)
     assert result.returncode == 0, result.stderr
     assert "already complete" in result.stderr
-    assert json.loads(before)["shards"] == json.loads((baseline_cache / "manifest.json").read_text())["shards"]
+    assert json.loads(before)["shards"] == json.loads((out / "manifest.json").read_text())["shards"]
+    assert_same_cache(baseline_cache, out)
 
 
 def test_fake_oom_halves_batches_and_gives_the_same_cache(baseline_cache: Path, chat_jsonl: Path,
