@@ -62,7 +62,8 @@ def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None)
 @click.option("--only-shards", callback=_shard_spec, default=None, metavar="3,5-7",
               help="Extract only these shards, so several machines can fill one cache directory.")
 @click.option("--workers", type=click.IntRange(1, 1024), default=None,
-              help="Worker processes. Default: one per GPU; 1 on a CPU-only machine (cores are split between them).")
+              help="Worker processes. Default: one per GPU; 1 on a CPU-only machine (cores are split between them, or each "
+                   "takes OMP_NUM_THREADS threads where that is set).")
 @click.option("--batch-tokens", type=click.IntRange(min=16), default=None,
               help="Padded tokens per forward batch. Default 32768 on GPU, 4096 on CPU; halved automatically on OOM.")
 @click.option("--feature-dtype", type=click.Choice(FEATURE_DTYPES), default=ExtractOptions.feature_dtype,

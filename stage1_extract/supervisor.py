@@ -143,13 +143,17 @@ def split_into_shards(num_items: int, num_shards: int) -> list[range]:
 
 
 def detect_devices(workers: int | None) -> tuple[list[str], int]:
-    """One worker per CUDA device; on CPU `workers` processes sharing the cores. Returns (devices, threads)."""
+    """One worker per CUDA device; on CPU `workers` processes sharing the cores, each with OMP_NUM_THREADS threads
+    where that is set (as torch itself would), else the cores divided among them. Returns (devices, threads)."""
     import torch
 
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         return [f"cuda:{i}" for i in range(min(count, workers or count))], 0
     workers = workers or 1
+    requested = os.environ.get("OMP_NUM_THREADS", "")
+    if requested.isdigit() and int(requested) > 0:
+        return ["cpu"] * workers, int(requested)
     return ["cpu"] * workers, max(1, (os.cpu_count() or 1) // workers)
 
 

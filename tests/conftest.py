@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,11 +36,31 @@ def make_conversations(count: int) -> list[dict]:
     return records
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """The folder `name`, filled by `build` once for the whole test run: under pytest-xdist the test processes share
+    it (the first one to ask builds it while the others wait on its lock), so a session fixture's cache is extracted
+    once, not once per process. Its users only read it (a test that writes works on a copy)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above the processes' own
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def chat_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(14)))
-    return path
+    def write(folder: Path) -> None:
+        (folder / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make_conversations(14)))
+
+    return built_once(tmp_path_factory, "data", write) / "chats.jsonl"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -105,9 +127,29 @@ EXTRACT_ARGS = ("--max-length", "96", "--shards", "3", "--batch-tokens", "256", 
 @pytest.fixture(scope="session")
 def baseline_cache(tmp_path_factory: pytest.TempPathFactory, chat_jsonl: Path) -> Path:
     """An uninterrupted 1-worker extraction of the small chat file: the reference other runs must equal."""
-    out = tmp_path_factory.mktemp("baseline") / "cache"
-    run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS, check=True)
-    return out
+    def extract(folder: Path) -> None:
+        run_dflash("extract", "--data", str(chat_jsonl), "--out", str(folder / "cache"), "--workers", "1",
+                   *EXTRACT_ARGS, check=True)
+
+    return built_once(tmp_path_factory, "baseline", extract) / "cache"
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Iterator[object]:
+    """The embedded bf16 target in this process, with torch on the thread count of a 1-worker extraction
+    (`detect_devices`), as the forwards that compare with the caches above want; the process's own count is back
+    after the module (set for good, it slowed every later file of the process)."""
+    import torch
+
+    from dflash.shared.target_loading import load_target_model, resolve_target
+    from dflash.stage1_extract.supervisor import detect_devices
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(detect_devices(1)[1])
+    try:
+        yield load_target_model(resolve_target(None).load_path, "cpu")
+    finally:
+        torch.set_num_threads(threads)
 
 
 TOPK = 8  # the top-k of the `topk_cache` fixture
@@ -116,7 +158,8 @@ TOPK = 8  # the top-k of the `topk_cache` fixture
 @pytest.fixture(scope="session")
 def topk_cache(tmp_path_factory: pytest.TempPathFactory, chat_jsonl: Path) -> Path:
     """The baseline extraction, with the target's top-k stored (`--store-target-topk 8`)."""
-    out = tmp_path_factory.mktemp("topk") / "cache"
-    run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), "--workers", "1", *EXTRACT_ARGS,
-               "--store-target-topk", str(TOPK), check=True)
-    return out
+    def extract(folder: Path) -> None:
+        run_dflash("extract", "--data", str(chat_jsonl), "--out", str(folder / "cache"), "--workers", "1",
+                   *EXTRACT_ARGS, "--store-target-topk", str(TOPK), check=True)
+
+    return built_once(tmp_path_factory, "topk", extract) / "cache"

@@ -19,8 +19,9 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from dflash.shared import cache_format as cf
-from dflash.shared.target_loading import load_target_model, resolve_target
+from dflash.shared.target_loading import resolve_target
 from dflash.shared.target_layers import LayerCapture, default_layer_ids
+from dflash.stage1_extract.supervisor import detect_devices
 from dflash.stage1_extract.worker import plan_batches
 from tests.cache_compare import assert_same_cache, read_cache_arrays
 from tests.conftest import EXTRACT_ARGS, REPO, run_dflash
@@ -55,13 +56,18 @@ def test_plan_batches_respects_the_token_budget(lengths: list[int], budget: int,
         assert len(batch) == 1 or padded * len(batch) <= budget
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU workers")
+def test_cpu_workers_take_omp_num_threads_where_set_else_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert detect_devices(None) == (["cpu"], 8) and detect_devices(3) == (["cpu"] * 3, 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what `make test` sets for its 2 test processes
+    assert detect_devices(2) == (["cpu"] * 2, 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # unset in effect: torch ignores it too
+    assert detect_devices(2) == (["cpu"] * 2, 4)
+
+
 # --------------------------------------------------------------------------------- features are the target's
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> torch.nn.Module:
-    torch.set_num_threads(2)
-    return load_target_model(resolve_target(None).load_path, "cpu")
 
 
 def test_capture_is_bit_identical_to_output_hidden_states(smollm2: torch.nn.Module) -> None:
@@ -169,12 +175,15 @@ def test_two_workers_produce_the_same_cache_as_one(baseline_cache: Path, chat_js
     assert_same_cache(baseline_cache, out)
 
 
-def test_rerun_of_a_complete_cache_does_nothing(baseline_cache: Path, chat_jsonl: Path) -> None:
-    before = (baseline_cache / "manifest.json").read_text()
-    result = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(baseline_cache), *EXTRACT_ARGS)
+def test_rerun_of_a_complete_cache_does_nothing(baseline_cache: Path, chat_jsonl: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cache"
+    shutil.copytree(baseline_cache, out)  # the shared baseline is only read (the other test process reads it too)
+    before = (out / "manifest.json").read_text()
+    result = run_dflash("extract", "--data", str(chat_jsonl), "--out", str(out), *EXTRACT_ARGS)
     assert result.returncode == 0, result.stderr
     assert "already complete" in result.stderr
-    assert json.loads(before)["shards"] == json.loads((baseline_cache / "manifest.json").read_text())["shards"]
+    assert json.loads(before)["shards"] == json.loads((out / "manifest.json").read_text())["shards"]
+    assert_same_cache(baseline_cache, out)
 
 
 def test_fake_oom_halves_batches_and_gives_the_same_cache(baseline_cache: Path, chat_jsonl: Path,

@@ -13,7 +13,7 @@ import torch
 from dflash.shared import cache_format as cf
 from dflash.shared.errors import UserError
 from dflash.shared.target_layers import LayerCapture
-from dflash.shared.target_loading import load_target_model, resolve_target
+from dflash.shared.target_loading import resolve_target
 from dflash.stage1_extract import target_topk
 from dflash.stage1_extract.target_topk import TargetTopK
 from dflash.stage1_extract.worker import ShardExtractor, plan_batches
@@ -40,12 +40,6 @@ def assert_topk_matches(ids: torch.Tensor, logprobs: torch.Tensor, reference_log
     ours, theirs = reference.gather(1, ids), reference.gather(1, expected)
     assert bool(((ours - theirs).abs() <= 2**-7 * theirs.abs() + 1e-6).all()), "stored ids are not the top-k"
     return float(exact.float().mean())
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> torch.nn.Module:
-    torch.set_num_threads(2)
-    return load_target_model(resolve_target(None).load_path, "cpu")
 
 
 # --------------------------------------------------------------------------------------- the computation

@@ -1,5 +1,5 @@
 """What the stage-2 CLI tests share: the training flags of a small, fast run and one cache extracted from the
-embedded SmolLM2 target, built once per test process."""
+embedded SmolLM2 target, built once per test run (`built_once`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_conversations, run_dflash, step_records
+from tests.conftest import built_once, make_conversations, run_dflash, step_records
 
 # Small and fast on 2 CPU cores, but the real model, data path, loss and loop.
 TRAIN_ARGS = ("--draft-layers", "1", "--max-anchors", "24", "--batch-tokens", "2304", "--num-workers", "1",
@@ -20,12 +20,13 @@ SPLIT = (0.05, 0.1)
 
 @pytest.fixture(scope="session")
 def train_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    data = tmp_path_factory.mktemp("train_data") / "chats.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)))
-    out = tmp_path_factory.mktemp("train_cache") / "cache"
-    run_dflash("extract", "--data", str(data), "--out", str(out), "--max-length", "128", "--workers", "2",
-               "--batch-tokens", "1024", check=True)
-    return out
+    def extract(folder: Path) -> None:
+        data = folder / "chats.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)))
+        run_dflash("extract", "--data", str(data), "--out", str(folder / "cache"), "--max-length", "128",
+                   "--workers", "2", "--batch-tokens", "1024", check=True)
+
+    return built_once(tmp_path_factory, "train_cache", extract) / "cache"
 
 
 def final_losses(run: Path) -> dict[int, float]:

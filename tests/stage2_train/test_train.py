@@ -27,7 +27,7 @@ from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig
 from dflash.stage2_train.export import load_draft
 from dflash.stage2_train.target_parts import load_target_parts, resolve_mask_token
-from tests.conftest import REPO, assert_same_training, make_conversations, run_dflash, step_records
+from tests.conftest import REPO, assert_same_training, run_dflash, step_records
 from tests.stage2_train.conftest import SPLIT, TRAIN_ARGS, final_losses
 
 REFERENCE_LAYER_KEYS = [
@@ -216,19 +216,14 @@ def test_a_run_without_a_test_split_evaluates_its_validation_split_and_resumes_o
         heldout_prompts(run / "export", 2, 8)
 
 
-def test_epochs_of_different_step_counts_train_to_the_end(tmp_path: Path) -> None:
+def test_epochs_of_different_step_counts_train_to_the_end(train_cache: Path, tmp_path: Path) -> None:
     # Each epoch packs a new shuffle into micro-batches, so a later epoch can hold fewer micro-batches than the
-    # first one.
-    data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(72)))
-    cache = tmp_path / "cache"
-    run_dflash("extract", "--data", str(data), "--out", str(cache), "--max-length", "160", "--workers", "1",
-               check=True)
-    index = CacheIndex.from_cache(cache, 0.05, 0, TrainOptions.test_fraction)
+    # first one: the largest token budget at which it does on this cache.
+    index = CacheIndex.from_cache(train_cache, 0.05, 0, TrainOptions.test_fraction)
     budget, counts = next((b, c) for b in range(2048, 128, -16)
                           if (c := [len(plan_epoch(index, e, 0, b, 1, AnchorRule(DEFAULT_ANCHOR_DENSITY, 2, 16)))
                                     for e in range(3)])[1] < c[0])
-    result = run_dflash("train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--epochs", "3",
+    result = run_dflash("train", "--cache", str(train_cache), "--out", str(tmp_path / "run"), "--epochs", "3",
                         "--batch-tokens", str(budget), "--max-anchors", "2", "--draft-layers", "1",
                         "--eval-every", "0", "--checkpoint-every", "0", "--num-workers", "0",
                         "--eval-fraction", "0.05", "--eval-sequences", "1", "--mixed-precision", "no")
