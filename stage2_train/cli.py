@@ -9,7 +9,7 @@ import click
 from click.core import ParameterSource
 
 from dflash.stage2_train.objective import LOSSES
-from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOptions
+from dflash.stage2_train.options import ARCHITECTURES, COMPILE_MIN_STEPS, SELECTOR_MISSING, TrainOptions
 
 
 @click.command("train")
@@ -109,14 +109,16 @@ from dflash.stage2_train.options import ARCHITECTURES, SELECTOR_MISSING, TrainOp
               help="Seed of the split, the shuffles, the anchors and the initial weights.")
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa", "eager"]), default=TrainOptions.attention,
               show_default=True,
-              help="auto = on CUDA, flex_attention for runs of >= 500 steps (compiled, see --compile) and for "
-                   "drafters of hidden size >= 2048; grouped SDPA otherwise and on CPU (docs/benchmarks.md).")
+              help=f"auto = on CUDA, flex_attention for runs of >= {COMPILE_MIN_STEPS} steps (compiled, see "
+                   "--compile) and for drafters of hidden size >= 2048; grouped SDPA otherwise and on CPU "
+                   "(docs/train.md).")
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="torch.compile each drafter layer and the cross-entropy's chunks, in each training process "
-                   "(masks are built eagerly). Default: on for runs of >= 500 steps on CUDA with flex attention "
-                   "(2x the plain step for SmolLM2's drafter on an H100, ~2 minutes of compilation with flex's; "
-                   "docs/benchmarks.md), off on CPU, with --fsdp and in shorter runs. With SDPA it crashed on torch "
-                   "2.11 CUDA when packed batch shapes vary.")
+                   f"(masks are built eagerly). Default: on for DFlash runs of >= {COMPILE_MIN_STEPS} steps on "
+                   "CUDA with flex attention (2.4x the plain step for SmolLM2's drafter on an H100, after ~100 s "
+                   "of compilation on a fresh machine, ~12 s once its caches hold the kernels; docs/benchmarks.md), "
+                   "off on CPU, with --fsdp, for DFlash 2 and in shorter runs. With SDPA it crashed on torch 2.11 "
+                   "CUDA when packed batch shapes vary.")
 @click.option("--fsdp", is_flag=True,
               help="Shard the drafter with FSDP instead of DDP (GPUs only; eval and export gather the weights).")
 @click.option("--mixed-precision", type=click.Choice(["auto", "bf16", "no"]), default=TrainOptions.mixed_precision,

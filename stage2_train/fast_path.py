@@ -27,8 +27,7 @@ The compiled path was measured with inductor's split reductions off, which `run_
 from __future__ import annotations
 
 from dflash.stage2_train.draft_attention import FLEX_MIN_HIDDEN_SIZE
-
-COMPILE_MIN_STEPS = 1000  # runs of at least this many steps compile by default on CUDA (break-even ~850, see above)
+from dflash.stage2_train.options import COMPILE_MIN_STEPS  # (there, so that the CLI's help can say it without torch)
 
 
 def training_path(attention: str, compile: bool | None, device_type: str, total_steps: int, hidden_size: int,

@@ -19,6 +19,9 @@ SELECTOR_MISSING = ("inject", "drop")  # --selector-missing (loss.selector_loss)
 # 1.24x and 1.17x after 300 and 250 steps, ahead per GPU-second too), but only early in training, and its step
 # is 1.27-1.36x DFlash's (docs/benchmarks.md); `--fsdp` does not take it yet.
 DEFAULT_ARCHITECTURE = "dflash"
+# Runs of at least this many steps train on the fast path (flex attention, compiled) by default on CUDA: the
+# break-even measured in whole runs, ~850 steps, rounded up (fast_path.py, where the rule and the figures live).
+COMPILE_MIN_STEPS = 1000
 DEFAULT_SELECTOR_WEIGHT = 1.0  # --selector-weight: DFlash 2's selector loss beside the block loss (as peers weigh it)
 # --selector-missing: positions whose true token is not among the candidates leave the selector loss. Measured on
 # an H100 at 300 equal steps: test tau 1.441 +- 0.018 (drop) vs 1.379 +- 0.017 (inject), and a 7 % faster step
