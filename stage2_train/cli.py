@@ -109,9 +109,9 @@ from dflash.stage2_train.options import ARCHITECTURES, COMPILE_MIN_STEPS, SELECT
               help="Seed of the split, the shuffles, the anchors and the initial weights.")
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa", "eager"]), default=TrainOptions.attention,
               show_default=True,
-              help=f"auto = on CUDA, flex_attention for runs of >= {COMPILE_MIN_STEPS} steps (compiled, see "
-                   "--compile) and for drafters of hidden size >= 2048; grouped SDPA otherwise and on CPU "
-                   "(docs/train.md).")
+              help=f"auto = on CUDA, flex_attention for runs of >= {COMPILE_MIN_STEPS} steps (but not with "
+                   "--fsdp), with --compile, and for drafters of hidden size >= 2048; grouped SDPA otherwise and on "
+                   "CPU (docs/train.md).")
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="torch.compile each drafter layer and the cross-entropy's chunks, in each training process "
                    f"(masks are built eagerly). Default: on for DFlash runs of >= {COMPILE_MIN_STEPS} steps on "

@@ -225,13 +225,14 @@ def compile_layers(model: DFlashDraftModel) -> None:
 def choose_training_path(run: TrainingRun) -> None:
     """`--attention auto` and an unset `--compile` become the path fast_path.py picks for this device and run
     length (written to the run's options.json as chosen); the drafter and the objective follow it."""
+    given_compile = run.options.compile
     attention, compile_ = training_path(run.options.attention, run.options.compile, run.device.type, run.total_steps,
                                         int(run.config.hidden_size), run.options.fsdp, run.options.architecture)
     run.options = options = replace(run.options, attention=attention, compile=compile_)
     use_training_attention(run.model, options.attention)  # type: ignore[arg-type]
     run.objective = make_objective(options.loss, options.kl_weight, options.compile)
     if run.is_main:
-        log.info(describe(options.attention, options.compile, run.total_steps))
+        log.info(describe(options.attention, options.compile, given_compile is None, run.total_steps))
 
 
 def claim_run_dir(options: TrainOptions, files: RunFiles) -> Any:

@@ -354,7 +354,9 @@ def update_weights(run: TrainingRun, tally: StepTally) -> dict[str, Any]:
 class PendingRecord:
     """A step's metrics record (`update_weights`) on its way to the host: its device figures are copied into host
     memory behind the step's work as soon as it is queued, and `settle` waits for that copy alone (a CUDA event),
-    not for work queued after it. Read one step late, the host never waits for the device inside a step.
+    not for work queued after it. Read one step late, the trainer's own bookkeeping never makes the host wait for
+    the device inside a step (no other wait is known on the fast path, not yet checked on a GPU; grouped SDPA's masks and DFlash 2's selector
+    loss still read the device).
 
     The figures travel as one float64 tensor: float32 and integer figures are exact in it, so the numbers are
     those `float()` / `int()` of each tensor gave."""

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from dflash.shared.run_files import RunFiles
 from dflash.stage2_train.draft_attention import FLEX_MIN_HIDDEN_SIZE, training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig
-from dflash.stage2_train.fast_path import COMPILE_MIN_STEPS, training_path
+from dflash.stage2_train.fast_path import COMPILE_MIN_STEPS, describe, training_path
 from dflash.stage2_train.objective import block_cross_entropy
 from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.run_setup import choose_training_path
@@ -33,6 +33,13 @@ def test_cuda_long_runs_take_flex_compiled() -> None:
 def test_cuda_short_runs_stay_uncompiled() -> None:
     assert training_path("auto", None, "cuda", COMPILE_MIN_STEPS - 1, SMALL) == ("sdpa", False)
     assert training_path("auto", None, "cuda", COMPILE_MIN_STEPS - 1, LARGE) == ("flex", False)
+
+
+def test_compile_alone_takes_flex_on_cuda() -> None:
+    """Compiled grouped SDPA crashed in inductor on CUDA: `--compile` without `--attention` compiles flex."""
+    assert training_path("auto", True, "cuda", 10, SMALL) == ("flex", True)
+    assert training_path("auto", True, "cuda", 10**6, SMALL, fsdp=True) == ("flex", True)
+    assert training_path("auto", True, "cpu", 10, SMALL) == ("sdpa", True)  # CPU has no flex backward
 
 
 def test_cpu_takes_the_plain_path_at_any_length() -> None:
@@ -57,11 +64,19 @@ def test_given_choices_are_kept_and_compile_only_with_flex(attention: str, compi
     assert chosen_attention in ("flex", "sdpa", "eager")
     if attention != "auto":
         assert chosen_attention == attention
+    if chosen_compile and device == "cuda" and attention == "auto":
+        assert chosen_attention == "flex"  # never compiled grouped SDPA on CUDA unless asked for
     if compile_ is not None:
         assert chosen_compile is compile_
     else:  # compiled by default only where it was measured to work and pay: flex on CUDA in a long run
         assert chosen_compile == (chosen_attention == "flex" and device == "cuda" and steps >= COMPILE_MIN_STEPS
                                   and not fsdp and architecture == "dflash")
+
+
+def test_the_log_line_says_who_chose_the_path() -> None:
+    assert "chosen for 2000 steps >= " in describe("flex", True, True, 2000)
+    assert describe("flex", True, False, 600).endswith("(as given)")  # e.g. the recipe bench's 600-step runs
+    assert "uncompiled" in describe("flex", False, True, 5000)  # e.g. DFlash 2, not compiled by default
 
 
 def tiny_run(device: str, total_steps: int, **options: object) -> SimpleNamespace:
