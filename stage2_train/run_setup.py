@@ -144,9 +144,10 @@ class TrainingRun:
 
 
 def setup_run(options: TrainOptions) -> TrainingRun:
-    """Build a run in order: the objective (refused at once on a cache without what it needs), accelerator and
-    logs, cache and split, drafter, optimizer and schedule, compile; then the resume point (checkpoint loaded) and
-    the run's records on disk."""
+    """Build a run in order: the cache checked for the objective (refused at once without what it needs),
+    accelerator and logs, cache and split, drafter, the training path (`choose_training_path`: attention, compile
+    and the objective that follows them), optimizer and schedule, compile; then the resume point (checkpoint
+    loaded) and the run's records on disk."""
     check_cache_for(options.loss, cf.read_manifest(options.cache.resolve()), options.cache)
     if options.init_from is not None and options.init_from_target is not None:
         raise UserError("--init-from EXPORT_DIR and --init-from-target both choose the drafter's first weights: "
