@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the ignored folders that `benchmarks/gpu_pipeline.sh` carries to the GPU machine (run here, from the
 # repository root, after `make install`): the device has no network and no zarr / numcodecs / gguf, and one call
-# carries at most 64 MiB, so the 98 MB GGUF travels in two halves.
+# carries at most 64 MiB, so the 98 MB GGUF travels in parts split over two calls.
 #
 #   .whl/      Python 3.12 wheels of what the GPU machine lacks, and SpecForge's (call 1, `setup`)
 #   .carry_a/  the GGUF's first half                                        (call 1, `setup`)
@@ -21,7 +21,8 @@ $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --imp
 # SpecForge's own DFlash step (`gpu_pipeline.sh specforge`): its wheel alone, installed without its dependencies.
 $PY -m pip download -q --no-deps -d .whl specforge==0.2.0
 gguf=$($PY -c 'from dflash.shared.embedded import smollm2_gguf; print(smollm2_gguf())')
-(cd .carry_a && split -b "${GGUF_PART:-55000000}" "$gguf" gguf. && rm -f ../.carry_b/gguf.ab && mv gguf.ab ../.carry_b/)
+# The first part travels with the wheels, the rest with call 2 (the tracked tree, ~9 MiB, travels with both).
+(cd .carry_a && split -b "${GGUF_PART:-44000000}" "$gguf" gguf. && rm -f ../.carry_b/gguf.a? && mv gguf.a[b-z] ../.carry_b/)
 $PY - <<'EOF'
 import gzip, json, os, shutil
 from pathlib import Path

