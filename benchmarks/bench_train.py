@@ -311,6 +311,12 @@ def main() -> None:
     parser.add_argument("--record-at-once", action="store_true",
                         help="with --cache: read each step's metrics record right after the step (the host waits "
                              "for the device every step, the loop before trainer.StepLog), to compare")
+    parser.add_argument("--pageable-inputs", action="store_true",
+                        help="copy the inputs built on the CPU to the GPU from pageable memory (the code before "
+                             "trainer.to_device pinned them; such a copy may wait for the device), to compare")
+    parser.add_argument("--small-loss-chunks", action="store_true",
+                        help="the loss's chunks of 1,024 rows on CUDA too (the code before loss.chunk_rows sized "
+                             "them by CUDA_CHUNK_BYTES), to compare")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -326,8 +332,16 @@ def main() -> None:
 
     import dflash.stage2_train.attention_masks as attention_masks
 
+    import dflash.stage2_train.trainer as trainer_module
+
     if args.exact_windows:
         attention_masks.BUCKET_WINDOWS = False
+    if args.pageable_inputs:
+        trainer_module.PIN_INPUTS = False
+    import dflash.stage2_train.loss as loss_module
+
+    if args.small_loss_chunks:
+        loss_module.CUDA_CHUNK_BYTES = 0
     if args.sdpa_backends:
         # Process-wide switches, set for the whole run (not `sdpa_kernel(...).__enter__()` on a temporary: its
         # generator is collected at once and restores every backend, which voided the first measurement).
@@ -466,6 +480,8 @@ def main() -> None:
                                          "flash": torch.backends.cuda.flash_sdp_enabled(),
                                          "math": torch.backends.cuda.math_sdp_enabled()},
                "exact_windows": not attention_masks.BUCKET_WINDOWS, "record_at_once": args.record_at_once,
+               "pinned_inputs": trainer_module.PIN_INPUTS,
+               "loss_chunk_rows": loss_module.chunk_rows(int(run.config.vocab_size), device.type),
                "inductor_split_reductions": inductor_config.split_reductions if run.options.compile else None,
                "warmup_s": warmup_s, "results": results,
                "loader_overhead": results["loader"]["step_s"] / results["memory"]["step_s"] - 1,

@@ -328,7 +328,11 @@ class PackedLayout:
         return self.block_anchor.device
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedLayout:
-        return replace(self, **{name: getattr(self, name).to(device, non_blocking=non_blocking) for name in
+        return self.map_tensors(lambda tensor: tensor.to(device, non_blocking=non_blocking))
+
+    def map_tensors(self, move: Callable[[Tensor], Tensor]) -> PackedLayout:
+        """The same layout with `move` applied to each of its tensors (e.g. a copy to a device)."""
+        return replace(self, **{name: move(getattr(self, name)) for name in
                                 ("block_anchor", "block_context_start", "block_valid", "context_positions")})
 
     @classmethod

@@ -53,7 +53,13 @@ from torch import Tensor
 from dflash.stage2_train.options import SELECTOR_MISSING
 
 IGNORE_INDEX = -100
-DEFAULT_CHUNK_SIZE = 1024
+DEFAULT_CHUNK_SIZE = 1024  # rows of the LM head product per chunk on the CPU, and the fewest anywhere
+# On CUDA, as many rows a chunk as keep its float32 logits within this many bytes (`chunk_rows`): each chunk is ~12
+# kernel launches and one compiled call, and at 1,024 rows the SmolLM2 drafter's loss (~26K supervised positions a
+# step at --batch-tokens 49152, 26 chunks) took ~21 ms of host time a step against ~11 ms of GPU time (H200 profile
+# of 2026-12-06, benchmarks/results/h200_anchors_and_host_waits_2026-12-06): the host, not the GPU, set its pace.
+# 1 GiB: 5,120 rows for a 49K vocabulary (5 chunks), 1,024 for Qwen3's 152K (as before).
+CUDA_CHUNK_BYTES = 1 << 30
 _GAMMAS = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -245,6 +251,15 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None, None, None
 
 
+def chunk_rows(vocab: int, device_type: str) -> int:
+    """Rows of the LM head product the loss takes at a time on a device of `device_type` (see CUDA_CHUNK_BYTES): a
+    multiple of DEFAULT_CHUNK_SIZE, at least it."""
+    if device_type != "cuda":
+        return DEFAULT_CHUNK_SIZE
+    rows = CUDA_CHUNK_BYTES // (4 * vocab) // DEFAULT_CHUNK_SIZE * DEFAULT_CHUNK_SIZE
+    return max(DEFAULT_CHUNK_SIZE, rows)
+
+
 def supervised_index(labels: Tensor) -> Tensor:
     """The flat positions of `labels` (any shape) that are supervised (not IGNORE_INDEX), ascending."""
     return (labels.reshape(-1) != IGNORE_INDEX).nonzero(as_tuple=True)[0]
@@ -256,7 +271,7 @@ def dflash_loss(
     labels: Tensor,
     weights: Tensor,
     global_weight_sum: Tensor | float,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     candidates: int = 0,
     fused: bool = False,
     label_index: Tensor | None = None,
@@ -281,6 +296,8 @@ def dflash_loss(
     ``fused``: each chunk's softmax, loss and gradient in a compiled kernel (`_compiled_cross_entropy_chunk`; the
     same results up to float rounding), for `dflash train --compile`. ``label_index``: the flat positions of
     ``labels`` that are supervised (`supervised_index`), when the caller has them (see `block_loss`).
+    ``chunk_size``: rows of the LM head product at a time (default `chunk_rows` for the vocabulary and device; the
+    results do not depend on it beyond float rounding).
     """
     return block_loss(hidden, lm_head_weight, labels, weights, global_weight_sum, chunk_size=chunk_size,
                       candidates=candidates, fused=fused, label_index=label_index)
@@ -297,7 +314,7 @@ def block_loss(
     topk_logprobs: Tensor | None = None,
     ce_weight: float = 1.0,
     kl_weight: float = 0.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     candidates: int = 0,
     fused: bool = False,
     label_index: Tensor | None = None,
@@ -321,6 +338,8 @@ def block_loss(
         raise ValueError(f"lm_head_weight {tuple(lm_head_weight.shape)} does not match hidden size {hidden_size}")
     if weights.shape != (block,):
         raise ValueError(f"weights has shape {tuple(weights.shape)}, want ({block},)")
+    if chunk_size is None:
+        chunk_size = chunk_rows(lm_head_weight.shape[0], hidden.device.type)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if ce_weight < 0 or kl_weight < 0:

@@ -26,7 +26,7 @@ import numpy as np
 
 from dflash.shared.errors import UserError
 from dflash.stage2_train.attention_masks import MAX_PACKED_COPIES_RATIO
-from dflash.stage2_train.loss import SELECTOR_CHUNK_ROWS
+from dflash.stage2_train.loss import SELECTOR_CHUNK_ROWS, chunk_rows
 
 SAFETY = 1.25  # the estimate is multiplied by this before it is compared with the limit
 CPU_HEADROOM_BYTES = 1 << 30  # left free on a CPU machine for the loader workers' interpreters and the page cache
@@ -48,19 +48,20 @@ class DrafterShape:
     block_size: int
     element_bytes: int  # the compute dtype's (4: float32 on CPU, 2: bf16 under mixed precision)
     trainable_params: int
-    loss_chunk: int = 1024
+    loss_chunk: int = 1024  # rows of the loss's chunks (`loss.chunk_rows`)
     conv_kernel: int = 0  # DFlash 2: taps of the convolution around each sublayer (0: a DFlash drafter)
     selector_top_k: int = 0  # DFlash 2: the path selector's candidates per position
 
     @classmethod
-    def of(cls, config: Any, trainable_params: int, element_bytes: int) -> DrafterShape:
+    def of(cls, config: Any, trainable_params: int, element_bytes: int, device_type: str = "cpu") -> DrafterShape:
         return cls(hidden=config.hidden_size, intermediate=config.intermediate_size,
                    heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                    layers=config.num_hidden_layers, context_dim=config.num_context_layers * config.hidden_size,
                    vocab=config.vocab_size, block_size=config.block_size, element_bytes=element_bytes,
                    trainable_params=trainable_params,  # DFlash 2's codebooks ([V, r] each) are counted here
                    conv_kernel=int((config.dflash_config or {}).get("conv_kernel_size", 0)),
-                   selector_top_k=int((config.dflash_config or {}).get("selector_top_k", 0)))
+                   selector_top_k=int((config.dflash_config or {}).get("selector_top_k", 0)),
+                   loss_chunk=chunk_rows(config.vocab_size, device_type))
 
 
 def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:

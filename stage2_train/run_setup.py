@@ -429,7 +429,7 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
     import numpy as np
 
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
-    shape = DrafterShape.of(run.config, trainable, torch.finfo(run.compute_dtype).bits // 8)
+    shape = DrafterShape.of(run.config, trainable, torch.finfo(run.compute_dtype).bits // 8, run.device.type)
     train = run.index.is_train
     lengths = run.index.lengths[train]
     blocks = run.anchor_rule.count(run.index.candidates[train])

@@ -163,24 +163,47 @@ def micro_batches(run: TrainingRun, batch: dict[str, Any],
             for part in split_packed_batch(batch, ranges, run.bucket_multiple)]
 
 
+# Whether the trainer's inputs built on the CPU are pinned before their copy to a CUDA device (`to_device`); False
+# copies them from pageable memory as before, for benchmarks/bench_train.py --pageable-inputs to compare.
+PIN_INPUTS = True
+
+
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """`tensor` (CPU) copied to `device` without making the host wait for the device.
+
+    CUDA copies from pageable host memory go through the driver's staging buffer, and for copies larger than a few
+    tens of KB the driver may synchronise with the stream first (CUDA's "API synchronization behavior"): the host
+    then waits for every step queued before it. The layout, labels and label positions the trainer builds on the
+    CPU are such copies (~0.2-0.4 MB each at --batch-tokens 49152), so they are pinned first (PyTorch's caching host
+    allocator reuses the pinned blocks; a copy from pinned memory is queued like a kernel). The loader's own
+    tensors (features, scales) arrive pinned already (`make_loader`)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    if PIN_INPUTS and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
                        feature_transform: FeatureTransform | None = None) -> MicroBatch:
     """A packed loader batch (CPU) -> the micro-batch on the device: layout and labels built on the CPU, features
-    decoded on the device (after a copy of the stored bytes only)."""
+    decoded on the device (after a copy of the stored bytes only); every copy queued without a host wait
+    (`to_device`)."""
     device = run.device
     layout = packed_layout(batch, run.options.block_size)
     labels, block_ids = packed_block_labels(batch, layout, run.mask_token_id)
     scales = batch.get("feature_scales")
-    features = run.codec.decode(batch["features"].to(device, non_blocking=True),
-                                None if scales is None else scales.to(device, non_blocking=True), run.compute_dtype)
+    features = run.codec.decode(to_device(batch["features"], device),
+                                None if scales is None else to_device(scales, device), run.compute_dtype)
     if feature_transform is not None:
         features = feature_transform(features)
     topk = packed_block_topk(batch, layout)  # the target's top-k of each label position, where the cache has it
-    topk_ids, topk_logprobs = (None, None) if topk is None else (t.to(device, non_blocking=True) for t in topk)
-    return MicroBatch(features=features[None], block_ids=block_ids.to(device, non_blocking=True),
-                      labels=labels.to(device, non_blocking=True), layout=layout.to(device, non_blocking=True),
+    topk_ids, topk_logprobs = (None, None) if topk is None else (to_device(t, device) for t in topk)
+    device_layout = layout.map_tensors(lambda tensor: to_device(tensor, device))
+    return MicroBatch(features=features[None], block_ids=to_device(block_ids, device),
+                      labels=to_device(labels, device), layout=device_layout,
                       sequences=len(batch["lengths"]), valid_blocks=int(layout.block_valid.sum()),
-                      label_index=supervised_index(labels).to(device, non_blocking=True),
+                      label_index=to_device(supervised_index(labels), device),
                       topk_ids=topk_ids, topk_logprobs=topk_logprobs)
 
 

@@ -157,6 +157,25 @@ def test_chunk_size_does_not_change_result() -> None:
         assert torch.equal(correct, results[0][2])
 
 
+@pytest.mark.parametrize("vocab", [97, 32_000, 49_152, 151_936, 262_144, 1_000_000])
+def test_chunk_rows_keep_a_cuda_chunk_within_its_bytes(vocab: int) -> None:
+    """CPU: DEFAULT_CHUNK_SIZE rows. CUDA: the most multiples of DEFAULT_CHUNK_SIZE whose float32 logits fit in
+    CUDA_CHUNK_BYTES, never fewer than DEFAULT_CHUNK_SIZE; and the memory plan counts the same chunk."""
+    from dflash.stage2_train import loss as loss_module
+    from dflash.stage2_train.memory_plan import DrafterShape
+
+    assert loss_module.chunk_rows(vocab, "cpu") == loss_module.DEFAULT_CHUNK_SIZE
+    rows = loss_module.chunk_rows(vocab, "cuda")
+    step = loss_module.DEFAULT_CHUNK_SIZE
+    assert rows % step == 0 and rows >= step
+    assert rows == step or rows * vocab * 4 <= loss_module.CUDA_CHUNK_BYTES < (rows + step) * vocab * 4
+    config = config_from_target({**TARGET_CONFIG, "vocab_size": vocab}, TARGET_LAYER_IDS, LAYERS, BLOCK, MASK)
+    for device_type in ("cpu", "cuda"):
+        shape = DrafterShape.of(config, 10, 2, device_type)
+        assert shape.loss_chunk == loss_module.chunk_rows(vocab, device_type)
+    assert loss_module.chunk_rows(49_152, "cuda") == 5 * step  # SmolLM2's vocabulary: 5 chunks a step, not 26
+
+
 def test_micro_batches_sum_to_the_global_loss() -> None:
     """The property DDP + gradient accumulation relies on: per-micro-batch losses with the global weight sum add up."""
     h, head, labels = random_problem(3, batch=4)

@@ -154,3 +154,71 @@ def test_micro_batches_carry_their_supervised_positions(train_cache: Path, tmp_p
     finally:
         if run.lock is not None:
             run.lock.release()
+
+
+def test_every_input_of_a_micro_batch_reaches_the_device_through_to_device(
+        train_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No input is copied around `trainer.to_device` (which pins CPU tensors before a CUDA copy, so that the copy
+    does not make the host wait): every tensor of the micro-batch is one it returned, or the features decoded from
+    one."""
+    from dflash.stage2_train.run_setup import setup_run
+
+    options = TrainOptions(cache=train_cache, out=tmp_path / "run", max_steps=2, draft_layers=1, batch_tokens=1024,
+                           num_workers=0, eval_fraction=0.0, test_fraction=0.0, mixed_precision="no")
+    run = setup_run(options)
+    moved: list[torch.Tensor] = []
+    original = trainer.to_device
+
+    def recorded(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        moved.append(original(tensor, device))
+        return moved[-1]
+
+    monkeypatch.setattr(trainer, "to_device", recorded)
+    try:
+        batch = next(iter(run.loader(0, 0)))
+        micro = trainer.micro_batch_inputs(run, batch)
+    finally:
+        if run.lock is not None:
+            run.lock.release()
+    carried = [micro.block_ids, micro.labels, micro.label_index, micro.layout.block_anchor,
+               micro.layout.block_context_start, micro.layout.block_valid, micro.layout.context_positions]
+    carried += [t for t in (micro.topk_ids, micro.topk_logprobs) if t is not None]
+    assert all(any(tensor is m for m in moved) for tensor in carried)
+    # and the features' stored bytes (with their scales, for a scaled codec), decoded on the device
+    assert len(moved) == len(carried) + 1 + ("feature_scales" in batch)
+
+
+def test_to_device_pins_a_pageable_tensor_before_a_cuda_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a pageable tensor is pinned, then copied without blocking; a pinned one is copied as it is; with
+    PIN_INPUTS off (bench_train.py --pageable-inputs) it is copied from pageable memory. On the CPU: a plain copy.
+    (This machine has no GPU: the pinning and the copy are recorded instead of done.)"""
+    calls: list[tuple[str, Any]] = []
+    pinned: list[torch.Tensor] = []  # kept alive, so that no other tensor takes one's identity
+
+    def pin_memory(self: torch.Tensor) -> torch.Tensor:
+        calls.append(("pin", None))
+        pinned.append(self.clone())
+        return pinned[-1]
+
+    def to(self: torch.Tensor, device: Any, non_blocking: bool = False) -> torch.Tensor:
+        calls.append(("to", (str(device), non_blocking, any(self is t for t in pinned))))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: any(self is t for t in pinned))
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    cuda = torch.device("cuda", 0)
+    trainer.to_device(torch.zeros(3), cuda)
+    assert calls == [("pin", None), ("to", ("cuda:0", True, True))]
+    calls.clear()
+    already = pin_memory(torch.zeros(3))
+    calls.clear()
+    trainer.to_device(already, cuda)
+    assert calls == [("to", ("cuda:0", True, True))]
+    calls.clear()
+    monkeypatch.setattr(trainer, "PIN_INPUTS", False)
+    trainer.to_device(torch.zeros(3), cuda)
+    assert calls == [("to", ("cuda:0", True, False))]
+    calls.clear()
+    trainer.to_device(torch.zeros(3), torch.device("cpu"))
+    assert calls == [("to", ("cpu", False, False))]
