@@ -314,6 +314,9 @@ def main() -> None:
     parser.add_argument("--pageable-inputs", action="store_true",
                         help="copy the inputs built on the CPU to the GPU from pageable memory (the code before "
                              "trainer.to_device pinned them; such a copy may wait for the device), to compare")
+    parser.add_argument("--foreach-adamw", action="store_true",
+                        help="AdamW's default (foreach) implementation on CUDA too (the code before "
+                             "run_setup.FUSED_ADAMW), to compare")
     parser.add_argument("--small-loss-chunks", action="store_true",
                         help="the loss's chunks of 1,024 rows on CUDA too (the code before loss.chunk_rows sized "
                              "them by CUDA_CHUNK_BYTES), to compare")
@@ -342,6 +345,10 @@ def main() -> None:
 
     if args.small_loss_chunks:
         loss_module.CUDA_CHUNK_BYTES = 0
+    import dflash.stage2_train.run_setup as run_setup_module
+
+    if args.foreach_adamw:
+        run_setup_module.FUSED_ADAMW = False
     if args.sdpa_backends:
         # Process-wide switches, set for the whole run (not `sdpa_kernel(...).__enter__()` on a temporary: its
         # generator is collected at once and restores every backend, which voided the first measurement).
@@ -482,6 +489,7 @@ def main() -> None:
                "exact_windows": not attention_masks.BUCKET_WINDOWS, "record_at_once": args.record_at_once,
                "pinned_inputs": trainer_module.PIN_INPUTS,
                "loss_chunk_rows": loss_module.chunk_rows(int(run.config.vocab_size), device.type),
+               "adamw_fused": bool(run.optimizer.defaults.get("fused")),
                "inductor_split_reductions": inductor_config.split_reductions if run.options.compile else None,
                "warmup_s": warmup_s, "results": results,
                "loader_overhead": results["loader"]["step_s"] / results["memory"]["step_s"] - 1,

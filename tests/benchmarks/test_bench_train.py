@@ -23,7 +23,7 @@ def test_real_cache_steps_are_timed_by_phase(baseline_cache: Path, tmp_path: Pat
     flags = "--architecture dflash2 --draft-layers 1 --max-anchors 8 --batch-tokens 1024 --num-workers 0"
     result = run_bench("--cache", str(baseline_cache), "--train-flags", flags, "--steps", "2", "--warmup", "1",
                        "--profile", "1", "--profile-source", "loader", "--sdpa-backends", "math,efficient",
-                       "--exact-windows", "--record-at-once", "--pageable-inputs", "--small-loss-chunks",
+                       "--exact-windows", "--record-at-once", "--pageable-inputs", "--small-loss-chunks", "--foreach-adamw",
                        "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr[-4000:]
     name = "smollm2-135m-instruct-real_dflash2_sdpa_cpu"
@@ -33,6 +33,7 @@ def test_real_cache_steps_are_timed_by_phase(baseline_cache: Path, tmp_path: Pat
     # What the run really had (read from torch and the module, not echoed from the flags):
     assert summary["exact_windows"] is True and summary["record_at_once"] is True
     assert summary["pinned_inputs"] is False and summary["loss_chunk_rows"] == 1024
+    assert summary["adamw_fused"] is False  # (the CPU never fuses it)
     assert summary["sdpa_backends_enabled"] == {"cudnn": False, "efficient": True, "flash": False, "math": True}
     assert "not counted" in summary["flops_counted"]  # DFlash 2's own parts are left out of the FLOPs, and said so
     for variant in ("memory", "loader"):

@@ -117,3 +117,31 @@ def test_cli_records_the_chosen_path(train_cache: Path, tmp_path: Path, flags: t
     recorded = json.loads(RunFiles(out).options.read_text())
     assert (recorded["attention"], recorded["compile"]) == expected
     assert f"training path: --attention {expected[0]} (uncompiled" in result.stderr
+
+
+@pytest.mark.parametrize("device_type,fused_setting,want", [("cuda", True, True), ("cuda", False, None),
+                                                           ("cpu", True, None)])
+def test_adamw_is_fused_on_cuda_only(device_type: str, fused_setting: bool, want: bool | None,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make_optimizer` asks for the fused AdamW on CUDA (unless bench_train.py --foreach-adamw turned it off) and
+    leaves the CPU's default; the rest of the optimizer as always (betas, lr, weight decay). This machine has no
+    GPU: the constructor's arguments are recorded and a CPU AdamW built from the others."""
+    import torch
+
+    from dflash.stage2_train import run_setup
+
+    asked: dict = {}
+
+    def adamw(params, **kwargs):  # noqa: ANN001, ANN202
+        asked.update(kwargs)
+        return torch.optim.Adam(params)  # (the real class is patched out; any optimizer does here)
+
+    monkeypatch.setattr(run_setup, "FUSED_ADAMW", fused_setting)
+    monkeypatch.setattr(run_setup.torch.optim, "AdamW", adamw)
+    model = torch.nn.Linear(2, 2)
+    run = SimpleNamespace(options=SimpleNamespace(lr=1e-3, weight_decay=0.0, warmup=0.1), total_steps=10,
+                          device=torch.device(device_type), model=model,
+                          accelerator=SimpleNamespace(prepare=lambda m, o: (m, o),
+                                                      register_for_checkpointing=lambda s: None))
+    run_setup.make_optimizer(run)  # type: ignore[arg-type]
+    assert asked == {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.0, "fused": want}
