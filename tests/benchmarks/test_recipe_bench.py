@@ -184,10 +184,10 @@ def test_seed_replicates_train_the_missing_seed_runs_and_pair_them_with_the_base
     out = tmp_path / "bench"
     shutil.copytree(bench, out)
     for name in ("base", "g4"):
-        for kind in ("", ".live"):
-            if (out / "results" / f"{name}{kind}.json").exists():
-                (out / "results" / f"{name}{kind}.json").rename(out / "results" / f"{name}@s0{kind}.json")
+        (out / "results" / f"{name}.json").rename(out / "results" / f"{name}@s0.json")
         (out / "runs" / name).rename(out / "runs" / f"{name}@s0")
+    (out / "results" / "base.live.json").rename(out / "results" / "base@s0.live.json")
+    (out / "results" / "g4.live.json").unlink(missing_ok=True)  # (the best at seed 0 alone need not be over seeds)
     (out / "runs" / "base@s1").mkdir()
     (out / "runs" / "base@s1" / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # killed mid-way
     for stale in ("bench.json", "bench.md"):
