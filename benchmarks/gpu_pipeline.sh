@@ -25,11 +25,11 @@
 #             variant in BENCH_VARIANTS: flex, sdpa, flex_compile, sdpa_compile) and
 #             benchmarks/bench_grouped_attention.py (SDPA over the whole mask vs per group of blocks)
 #   specforge SpecForge 0.2.0's own DFlash training step beside dflash's on the Qwen3-8B shape (issue 30), one after
-#             another on the same GPU, 8 timed steps each, profiled over 3: benchmarks/bench_specforge.py (its wheel
-#             from .whl/ installed into $SITE with --no-deps), then benchmarks/bench_train.py flex --compile and flex
-#             eager -> $OUT/train_specforge_qwen3-8b_cuda.json, train_qwen3-8b_flex{_compile,}_cuda.json and their
-#             profiles. About 7 minutes of device time (estimated: three runs of 1-3 minutes, each writing its random
-#             features and compiling its flex kernels; --compile ~100 s more); needs `setup` first (zarr for
+#             another on the same GPU, 8 timed steps each, profiled over 3: benchmarks/bench_specforge.py (its wheel and
+#             pydantic's from .whl/ installed into $SITE with --no-deps), then benchmarks/bench_train.py flex --compile
+#             and flex eager -> $OUT/train_specforge_qwen3-8b_cuda.json, train_qwen3-8b_flex{_compile,}_cuda.json and
+#             their profiles. About 7 minutes of device time (estimated: three runs of 1-3 minutes, each writing its
+#             random features and compiling its flex kernels; --compile ~100 s more); needs `setup` first (zarr for
 #             bench_train's cache)
 #   flags     the training options CPU tests cannot reach, on a small extracted ShareGPT slice: --fsdp (through
 #             torch.distributed.run, one process per GPU, so that Accelerate forms a process group even for one
@@ -338,7 +338,7 @@ EOF
         ;;
     specforge)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-            .whl/specforge-0.2.0-*.whl
+            .whl/specforge-0.2.0-*.whl .whl/pydantic*.whl .whl/annotated_types-*.whl .whl/typing_*.whl
         python3 -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")' |
             tee -a "$OUT/timings.tsv"
         timed bench_specforge timeout 300 python3 benchmarks/bench_specforge.py --out "$OUT" --steps 8 --profile 3

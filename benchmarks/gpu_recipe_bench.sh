@@ -12,10 +12,20 @@
 #
 # Settings (environment): VARIANTS ("NAME=FLAGS;NAME=FLAGS;...", the first the baseline; default: the issue's
 # question b, anchors per sequence: the default density 1/6 (capped at 512), 64 a sequence (every anchor position up
-# to 64), density 1/3 uncapped; question a, the loss, was answered on 2026-12-06), STEPS (600), EVAL_EVERY (200), TRAIN_FLAGS (every variant's flags), UNTIMED_STEPS (50),
-# LIVE_SAMPLES (20), LIVE_TOKENS (512), LIVE_FLAGS, and RESULTS_FROM: a folder of an earlier bench's results/*.json
-# (carried in the tree, e.g. from a lost machine's state.tgz): they are copied into $OUT/bench/results first, and
-# the bench skips every variant whose result is complete there.
+# to 64), density 1/3 uncapped; question a, the loss, was answered on 2026-12-06), STEPS (600), EVAL_EVERY (200),
+# TRAIN_FLAGS (every variant's flags), UNTIMED_STEPS (50), SEEDS ("0,1,2": every variant trained once per seed,
+# runs NAME@sSEED, all variants at a seed before the next; the table adds each variant's mean over seeds and its
+# difference to the baseline paired by seed; default: one run per variant at seed 0), LIVE_SAMPLES (20),
+# LIVE_TOKENS (512), LIVE_FLAGS, and RESULTS_FROM: a folder of an earlier bench's results/*.json (carried in the
+# tree, e.g. from a lost machine's state.tgz): they are copied into $OUT/bench/results first, and the bench skips
+# every run whose result is complete there.
+# Why seeds: the same recipe, data and seed ended at test tau 1.335 +- 0.013 on an H100 and 1.274 +- 0.011 on an
+# H200 after 600 steps (2026-12-06; benchmarks/results/h100_fast_path_and_loss_2026-12-06 `ce`,
+# h200_anchors_and_host_waits_2026-12-06 `density6`): one run per variant cannot tell apart differences below
+# ~0.06 tau. Each 600-step run takes ~170-250 s on the fast path on an H100 or H200 (measured 2026-12-06), so
+# variants x seeds runs of ~3-4 min each: 6 runs (3 variants x 2 seeds, or 2 x 3) 17-25 min, which with the start,
+# the cache and live tau (~4-8 min) just fits one 30-minute session; 9 runs (3 x 3) need two (the second with
+# RESULTS_FROM the first's results/: it trains only what is missing).
 # Follow-ups on the same machine, each alone on the GPU after the bench, in this order (each optional):
 #   EVAL_ALONE=1    `dflash eval` of the best variant's drafter with its baselines (plain greedy, prompt lookup) on
 #                   MT-Bench and HumanEval, LIVE_SAMPLES x LIVE_TOKENS, alone: wall time per dataset, tokens/s,
@@ -83,6 +93,11 @@ LIVE_SAMPLES=${LIVE_SAMPLES:-20}
 LIVE_TOKENS=${LIVE_TOKENS:-512}
 LIVE_FLAGS=${LIVE_FLAGS:-"--no-baselines --threads 2"}
 RESULTS_FROM=${RESULTS_FROM:-}
+SEEDS=${SEEDS:-}
+SEEDS=${SEEDS// /}
+# With several seeds a variant's runs are NAME@sSEED; the follow-ups take the first seed's.
+run_suffix=""
+[[ "$SEEDS" == *,* ]] && run_suffix="@s${SEEDS%%,*}"
 RECIPE_BENCH=${RECIPE_BENCH:-python3 benchmarks/recipe_bench.py}  # (a stub in a dry run of this script)
 BENCH_TRAIN=${BENCH_TRAIN:-python3 benchmarks/bench_train.py}  # (likewise)
 export OUT WORK SITE
@@ -110,11 +125,12 @@ done
 # shellcheck disable=SC2086
 $RECIPE_BENCH run --cache "$WORK/cache_fp8" --out "$BENCH" --steps "$STEPS" \
     --eval-every "$EVAL_EVERY" --untimed-steps "$UNTIMED_STEPS" --train-flags "$TRAIN_FLAGS" \
-    --live-samples "$LIVE_SAMPLES" --live-new-tokens "$LIVE_TOKENS" --live-flags "$LIVE_FLAGS" "${variant_args[@]}"
+    --live-samples "$LIVE_SAMPLES" --live-new-tokens "$LIVE_TOKENS" --live-flags "$LIVE_FLAGS" "${variant_args[@]}" \
+    ${SEEDS:+--seeds "$SEEDS"}
 stage "recipe bench done (exit $?)"
 best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"] or "")' "$BENCH/bench.json" 2>/dev/null)
-drafter=$BENCH/runs/$best/export_best
-baseline=$BENCH/runs/${variant_args[1]%%=*}/export_best
+drafter=$BENCH/runs/$best$run_suffix/export_best
+baseline=$BENCH/runs/${variant_args[1]%%=*}$run_suffix/export_best
 if [ "${EVAL_ALONE:-0}" = 1 ] && [ -f "$drafter/config.json" ]; then
     python3 -m dflash.shared.cli eval --draft "$drafter" --data mtbench,humaneval --max-samples "$LIVE_SAMPLES" \
         --max-new-tokens "$LIVE_TOKENS" --out "$OUT/eval_alone" >"$OUT/eval_alone.out" 2>&1

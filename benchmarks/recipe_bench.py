@@ -3,7 +3,7 @@
     python benchmarks/recipe_bench.py run --cache CACHE --out BENCH --steps 600 --eval-every 200 \\
         --train-flags "--batch-tokens 49152 --num-workers 6" \\
         --variant ce="--loss ce" --variant kl="--loss kl" \\
-        --variant mix="--loss mix" --variant mix25="--loss mix --kl-weight 0.25"
+        --variant mix="--loss mix" --variant mix25="--loss mix --kl-weight 0.25" [--seeds 0,1,2]
     python benchmarks/recipe_bench.py table --out BENCH    # BENCH/bench.md again, from BENCH/bench.json
 
 The first variant is the baseline. Each variant is one `dflash train` process, run one after another (never side
@@ -16,6 +16,23 @@ seed, the split) are refused up front. Then live tau (`dflash eval --no-baseline
 HumanEval, 20 prompts x 512 new tokens, no time limit) for the baseline and for the best variant by best
 validation tau, one process per variant and dataset, side by side (tau does not depend on speed).
 
+Replicates (`--seeds 0,1,2`, instead of `--seed`): every variant is trained once per seed, as run NAME@sSEED (every
+variant at the first seed, then every variant at the next, so that a machine lost mid-way leaves whole
+comparisons); the table gives each variant's test tau and best validation tau at each seed, their mean, the
+standard deviation between seeds, and the difference to the baseline paired by seed (each seed's run minus the
+baseline's at that seed: the mean +- its standard error over seeds, and the number of seeds). The best variant is
+the one of the highest mean best validation tau over its finished seeds; live tau is measured for the baseline and
+the best at the first seed. Why: one run's +- is its standard error over test sequences, which leaves out how far
+training the same recipe twice varies. The same recipe, data and seed (the same loss at step 1) ended at test tau
+1.335 +- 0.013 on an H100 and 1.274 +- 0.011 on an H200 after 600 steps (2026-12-06: `ce` in
+benchmarks/results/h100_fast_path_and_loss_2026-12-06, `density6` in h200_anchors_and_host_waits_2026-12-06): GPU
+arithmetic is not repeated bit for bit (the order of floating-point sums varies), and the two trainings drifted
+apart. A single-seed
+comparison of two variants cannot be trusted below ~0.06 tau; another seed (other initial weights, another data
+order) gives a replicate whatever the device. With one seed, runs keep the variant's name and the output is as
+without seeds; results/NAME.json of a one-seed bench at seed K is results/NAME@sK.json of a bench with several
+(rename it, its .live.json and runs/NAME to reuse it).
+
 Cost, per variant alone, from its metrics.jsonl: `step_s` (the step's wall time in the training loop, from its
 start to the next step's: the loop reads each step's figures one step late, so the host prepares the next step while
 the device runs this one, and the step times add up to the loop's; evaluations and checkpoints excluded) and
@@ -26,18 +43,19 @@ tokens/s, and the peak memory the trainer measured (CUDA memory allocated by tor
 the whole process, evaluations included). Every variant shares one compile cache (TORCHINDUCTOR_CACHE_DIR and
 TRITON_CACHE_DIR under BENCH/compile_cache, unless set), so a kernel compiled once is reused by later variants.
 
-Results: BENCH/results/NAME.json for a variant (written, complete, as soon as it finishes; a failed run is written
-too, with its exit code and last line, and tried again on the next run), BENCH/results/NAME.live.json (one dataset
-added as each live evaluation finishes), and after every one of them BENCH/bench.json (everything) and
-BENCH/bench.md (the tables, generated from bench.json). Every tau comes with its standard error. A rerun with the
-same flags skips every variant and live evaluation whose result is complete (copy results/ from an earlier machine
-into a fresh BENCH to go on there); a variant killed mid-way is trained again from scratch (`--overwrite`: its
-timing must come from one uninterrupted process), as is one whose export a live evaluation needs but whose run
-folder is gone (a fresh machine). A result made with other settings (cache, steps, seed, flags) is refused, never
-overwritten. Train logs: BENCH/logs/NAME.train.out; runs: BENCH/runs/NAME; live evaluations: BENCH/live/.
+Results: BENCH/results/NAME.json for a variant's run (NAME@sSEED.json with several seeds; written, complete, as soon
+as it finishes; a failed run is written too, with its exit code and last line, and tried again on the next run),
+BENCH/results/NAME.live.json (one dataset added as each live evaluation finishes), and after every one of them
+BENCH/bench.json (everything) and BENCH/bench.md (the tables, generated from bench.json). Every tau comes with its
+standard error. A rerun with the same flags skips every variant and live evaluation whose result is complete (copy
+results/ from an earlier machine into a fresh BENCH to go on there); a variant killed mid-way is trained again from
+scratch (`--overwrite`: its timing must come from one uninterrupted process), as is one whose export a live
+evaluation needs but whose run folder is gone (a fresh machine). A result made with other settings (cache, steps,
+seed, flags) is refused, never overwritten. Train logs: BENCH/logs/NAME.train.out; runs: BENCH/runs/NAME; live
+evaluations: BENCH/live/.
 
 On the lent GPU: benchmarks/gpu_recipe_bench.sh (the cache, then this bench, detached, results under $OUT). On the
-CPU: tests/benchmarks/test_recipe_bench.py (a tiny cache, two variants).
+CPU: tests/benchmarks/test_recipe_bench.py (a tiny cache, two variants, one seed and then two).
 """
 
 from __future__ import annotations
@@ -69,6 +87,29 @@ SET_BY_BENCH = ("cache", "out", "max_steps", "epochs", "eval_every", "eval_seque
 # The validation / test split must be the same for all: allowed in --train-flags only.
 SAME_FOR_ALL = ("eval_fraction", "test_fraction")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # variant names become file names (and come back from the device)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """"0,1,2" -> [0, 1, 2]: the seeds every variant is trained at, in this order."""
+    try:
+        seeds = [int(item) for item in text.split(",")]
+    except ValueError:
+        raise UserError(f"--seeds {text!r}: give comma-separated integers, e.g. 0,1,2") from None
+    if len(set(seeds)) != len(seeds):
+        raise UserError(f"--seeds {text!r}: give each seed once")
+    return seeds
+
+
+def run_name(variant: str, seed: int, seeds: list[int]) -> str:
+    """The name of a variant's run at one seed: the variant's own when the bench has one seed, NAME@sSEED when it
+    has several ('@' is not allowed in a variant's name, so no two runs can share one)."""
+    return variant if len(seeds) == 1 else f"{variant}@s{seed}"
+
+
+def planned_runs(variants: list[tuple[str, list[str]]], seeds: list[int]) -> list[tuple[str, str, int, list[str]]]:
+    """(run, variant, seed, flags) of every run, in training order: every variant at the first seed, then every
+    variant at the next, so that a machine lost mid-way leaves whole comparisons behind."""
+    return [(run_name(name, seed, seeds), name, seed, flags) for seed in seeds for name, flags in variants]
 
 
 def dflash_command(*args: str) -> list[str]:
@@ -279,9 +320,10 @@ def live_evaluations(bench: Bench, names: list[str], datasets: list[str], settin
 
 
 def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], steps: int, eval_every: int,
-              seed: int, train_flags: list[str], untimed_steps: int, live_data: list[str], live_samples: int,
+              seeds: list[int], train_flags: list[str], untimed_steps: int, live_data: list[str], live_samples: int,
               live_new_tokens: int, live_flags: list[str]) -> dict[str, Any]:
-    """Train every variant not done before, one after another; then live tau of the baseline and the best."""
+    """Train every variant at every seed not done before, one run after another; then live tau of the baseline and
+    the best at the first seed."""
     bench = Bench(out)
     bench.root.mkdir(parents=True, exist_ok=True)
     setup_logging(bench.root / "bench.log")
@@ -294,32 +336,40 @@ def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], ste
     for name, flags in variants:
         check_train_flags(flags, SET_BY_BENCH + SAME_FOR_ALL, f"--variant {name}")
     common = {"cache_identity": cf.read_manifest(cache.resolve())["identity"], "steps": steps,
-              "eval_every": eval_every, "seed": seed, "train_flags": train_flags, "untimed_steps": untimed_steps}
+              "eval_every": eval_every, "seed": seeds[0], "train_flags": train_flags, "untimed_steps": untimed_steps}
     live_settings = {"samples": live_samples, "new_tokens": live_new_tokens, "flags": live_flags}
-    done = {name: is_done(bench, name, {**common, "flags": flags}, live_settings) for name, flags in variants}
+    runs = planned_runs(variants, seeds)
+    # A run's settings name its own seed only, so that a bench given more seeds later keeps the runs it has.
+    settings = {run: {**common, "seed": seed, "flags": flags} for run, _, seed, flags in runs}
+    done = {run: is_done(bench, run, settings[run], live_settings) for run, *_ in runs}
     header = {"cache": str(cache), **common, "variants": [{"name": n, "flags": f} for n, f in variants],
               "live": {"data": live_data, **live_settings}}
+    if len(seeds) > 1:
+        del header["seed"]
+        header["seeds"] = seeds
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(bench.root / "compile_cache" / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(bench.root / "compile_cache" / "triton"))
-    log.info("recipe bench in %s: %d variants x %d steps (validation every %d), on %s", bench.root, len(variants),
-             steps, eval_every, device_name())
+    log.info("recipe bench in %s: %d variants x %d steps (validation every %d) at seeds %s, on %s", bench.root,
+             len(variants), steps, eval_every, ", ".join(map(str, seeds)), device_name())
 
-    def train(name: str, flags: list[str]) -> None:
+    def train(name: str) -> None:
+        seed, flags = settings[name]["seed"], settings[name]["flags"]
         command = dflash_command("train", "--cache", str(cache), "--out", str(bench.runs / name), "--overwrite",
                                  "--max-steps", str(steps), "--eval-every", str(eval_every), "--seed", str(seed),
                                  "--checkpoint-every", "0", "--keep-checkpoints", "1", *train_flags, *flags)
-        bench.write(bench.result_path(name), train_variant(bench, name, command, {**common, "flags": flags}))
+        bench.write(bench.result_path(name), train_variant(bench, name, command, settings[name]))
         write_summary(bench, header)
 
-    for name, flags in variants:
-        if done[name]:
-            log.info("variant %s: done before (%s), skipped", name, bench.result_path(name))
+    for run, *_ in runs:
+        if done[run]:
+            log.info("variant %s: done before (%s), skipped", run, bench.result_path(run))
         else:
-            train(name, flags)
+            train(run)
     record = write_summary(bench, header)
     if record["best"] is None or not live_data or not live_samples:
         return record
-    live_names = [n for n in dict.fromkeys((names[0], record["best"])) if complete(bench, n)]
+    live_names = [run_name(n, seeds[0], seeds) for n in dict.fromkeys((names[0], record["best"]))]
+    live_names = [n for n in live_names if complete(bench, n)]
     for name in live_names:
         evaluated = (read_json(bench.live_path(name)) or {}).get("datasets", {})
         run = bench.run(name)
@@ -327,7 +377,7 @@ def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], ste
         if not has_export and any(dataset not in evaluated for dataset in live_data):
             log.info("variant %s: its run folder is gone (a fresh machine?) and live tau needs its drafter: "
                      "training it again", name)
-            train(name, dict(variants)[name])
+            train(name)
     live_evaluations(bench, [n for n in live_names if complete(bench, n)], live_data, live_settings, live_flags)
     return write_summary(bench, header)
 
@@ -355,17 +405,68 @@ def refuse_other_settings(path: Path, previous: dict[str, Any] | None, settings:
                     "another --out, or delete it to measure again")
 
 
+def bench_seeds(bench: dict[str, Any]) -> list[int]:
+    """The seeds of a bench (its header or bench.json): `seeds` when it has several, else its one `seed`."""
+    return bench.get("seeds") or [bench["seed"]]
+
+
 def summary(bench: Bench, header: dict[str, Any]) -> dict[str, Any]:
-    """bench.json's content: the bench's settings, every variant's result (its live tau merged in), the best."""
-    variants = []
+    """bench.json's content: the bench's settings, every run's result (its live tau merged in; variant by variant,
+    seed by seed), the best variant (by its mean best validation tau over seeds), and with several seeds each
+    variant's figures over seeds (`replicates`)."""
+    seeds = bench_seeds(header)
+    rows = []
     for entry in header["variants"]:
-        result = read_json(bench.result_path(entry["name"])) or {"name": entry["name"], "complete": False,
-                                                                   "error": "not run yet"}
-        live = read_json(bench.live_path(entry["name"]))
-        variants.append({**result, "flags": entry["flags"], "live": None if live is None else live["datasets"]})
-    ranked = [v for v in variants if v.get("complete") and v["best_validation"] is not None]
-    best = max(ranked, key=lambda v: v["best_validation"]["tau"])["name"] if ranked else None
-    return {**header, "baseline": header["variants"][0]["name"], "best": best, "results": variants}
+        for seed in seeds:
+            name = run_name(entry["name"], seed, seeds)
+            result = read_json(bench.result_path(name)) or {"name": name, "complete": False, "error": "not run yet"}
+            live = read_json(bench.live_path(name))
+            row = {**result, "name": name, "flags": entry["flags"],
+                   "live": None if live is None else live["datasets"]}
+            if len(seeds) > 1:
+                row.update(variant=entry["name"], seed=seed)
+            rows.append(row)
+    validation = {entry["name"]: [r["best_validation"]["tau"] for r in rows
+                                  if r.get("variant", r["name"]) == entry["name"] and r.get("complete")
+                                  and r["best_validation"] is not None] for entry in header["variants"]}
+    means = {name: statistics.fmean(taus) for name, taus in validation.items() if taus}
+    best = max(means, key=lambda name: means[name]) if means else None
+    baseline = header["variants"][0]["name"]
+    record = {**header, "baseline": baseline, "best": best, "results": rows}
+    if len(seeds) > 1:
+        record["replicates"] = replicates(rows, header["variants"], baseline)
+    return record
+
+
+def replicates(rows: list[dict[str, Any]], variants: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
+    """Each variant's test tau and best validation tau over its finished seeds: per seed, their mean, the standard
+    deviation between seeds, and the difference to the baseline paired by seed (the variant's run minus the
+    baseline's at the same seed: their mean, its standard error over seeds, and the number of seeds paired)."""
+    def finished(variant: str, figure: str) -> dict[int, dict[str, Any]]:  # seed -> the run's figure
+        return {r["seed"]: r[figure] for r in rows
+                if r["variant"] == variant and r.get("complete") and r.get(figure) is not None}
+
+    figures = ("test", "best_validation")
+    base = {figure: finished(baseline, figure) for figure in figures}
+    out = []
+    for entry in variants:
+        record: dict[str, Any] = {"name": entry["name"], "flags": entry["flags"]}
+        for figure in figures:
+            by_seed = finished(entry["name"], figure)
+            values = list(by_seed.values())
+            paired = [by_seed[seed]["tau"] - base[figure][seed]["tau"] for seed in by_seed if seed in base[figure]]
+            record[figure] = {
+                "by_seed": [{"seed": seed, "tau": run["tau"], "stderr": run["stderr"], "step": run["step"]}
+                            for seed, run in by_seed.items()],
+                "mean": statistics.fmean(v["tau"] for v in values) if values else None,
+                "sd": statistics.stdev(v["tau"] for v in values) if len(values) > 1 else None,
+                "vs_baseline": None if entry["name"] == baseline or not paired else {
+                    "mean": statistics.fmean(paired),
+                    "stderr": statistics.stdev(paired) / len(paired) ** 0.5 if len(paired) > 1 else None,
+                    "seeds": len(paired)},
+            }
+        out.append(record)
+    return out
 
 
 def write_summary(bench: Bench, header: dict[str, Any]) -> dict[str, Any]:
@@ -388,37 +489,50 @@ def tau_text(tau: float | None, stderr: float | None) -> str:
 def render_markdown(bench: dict[str, Any]) -> str:
     """bench.md from bench.json's content alone."""
     results = bench["results"]
-    baseline = next((r for r in results if r["name"] == bench["baseline"]), None)
-    base_test = (baseline or {}).get("test") if (baseline or {}).get("complete") else None
-    base_schedule = (baseline or {}).get("schedule_sha1")
+    seeds = bench_seeds(bench)
+    # The baseline's run at each seed (key None with one seed: its runs carry no `seed`).
+    baselines = {r.get("seed"): r for r in results if r.get("variant", r["name"]) == bench["baseline"]}
     datasets = bench["live"]["data"]
     devices = sorted({r["device"] for r in results if r.get("device")})
+    if len(seeds) == 1:
+        seeding = (f"seed {seeds[0]}, each variant trained alone, one after another", "the baseline and the best")
+    else:
+        seeding = (f"seeds {', '.join(map(str, seeds))} (each variant trained once per seed, alone, one run after "
+                   "another, every variant at a seed before the next seed)",
+                   f"the baseline and the best (by its mean best validation tau over seeds) at seed {seeds[0]}")
     lines = [
         "# Recipe bench",
         "",
-        f"Cache `{bench['cache']}`; {bench['steps']} steps per variant (the same cosine schedule), seed "
-        f"{bench['seed']}, each variant trained alone, one after another; validation tau over the whole validation "
-        f"split every {bench['eval_every']} steps; test tau over the whole test split for the drafter of the best "
-        f"validation tau; live tau (`dflash eval`, {bench['live']['samples']} prompts x {bench['live']['new_tokens']}"
-        f" new tokens) for the baseline and the best. +- one standard error. Cost over steps "
-        f"{bench['untimed_steps'] + 1}-{bench['steps']} (the first {bench['untimed_steps']} hold the warm-up and "
-        f"compilation: untimed); peak memory of the whole run. Flags of every variant: "
+        f"Cache `{bench['cache']}`; {bench['steps']} steps per variant (the same cosine schedule), {seeding[0]}; "
+        f"validation tau over the whole validation split every {bench['eval_every']} steps; test tau over the whole "
+        f"test split for the drafter of the best validation tau; live tau (`dflash eval`, {bench['live']['samples']}"
+        f" prompts x {bench['live']['new_tokens']} new tokens) for {seeding[1]}. +- one standard error. Cost over "
+        f"steps {bench['untimed_steps'] + 1}-{bench['steps']} (the first {bench['untimed_steps']} hold the warm-up "
+        f"and compilation: untimed); peak memory of the whole run. Flags of every variant: "
         f"`{shlex.join(bench['train_flags']) or '(none)'}`. Device: {', '.join(devices) or '-'}.",
         "",
+    ]
+    if len(seeds) > 1:
+        lines += replicate_table(bench, seeds) + [
+            "", "Each run (test / baseline: to the baseline's run at the same seed):", ""]
+    lines += [
         "| variant | flags | best validation tau (step) | test tau | test / baseline | "
         + "".join(f"live {d} tau | " for d in datasets)
         + "s/step (median) | block tok/s | untimed s | peak GiB | final loss | schedule |",
         "|---|---|---:|---:|---:|" + "---:|" * len(datasets) + "---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
-        name = r["name"] + (" (baseline)" if r["name"] == bench["baseline"] else "") + (
-            " (best)" if r["name"] == bench["best"] else "")
+        variant = r.get("variant", r["name"])
+        name = r["name"] + (" (baseline)" if variant == bench["baseline"] else "") + (
+            " (best)" if variant == bench["best"] else "")
         flags = f"`{shlex.join(r['flags'])}`" if r["flags"] else "-"
         if not r.get("complete"):
             error = str(r.get("error", "failed")).replace("|", "/")
             lines.append(f"| {name} | {flags} | {error} |" + " |" * (8 + len(datasets)))
             continue
         best, test, cost, live = r["best_validation"], r["test"], r["cost"], r.get("live") or {}
+        baseline = baselines.get(r.get("seed")) or {}
+        base_test = baseline.get("test") if baseline.get("complete") else None
         ratio = f"{test['tau'] / base_test['tau']:.3f}x" if test and base_test else "-"
         cells = [
             name, flags,
@@ -432,7 +546,8 @@ def render_markdown(bench: dict[str, Any]) -> str:
             f"{cost['untimed_s']:.1f}",
             "-" if cost["peak_memory_gib"] is None else f"{cost['peak_memory_gib']:.2f}",
             f"{r['final_loss']:.4f}",
-            "baseline's" if r["schedule_sha1"] == base_schedule else f"other (peak lr {r['lr_peak']:.2e})",
+            "baseline's" if r["schedule_sha1"] == baseline.get("schedule_sha1")
+            else f"other (peak lr {r['lr_peak']:.2e})",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     steps = sorted({v["step"] for r in results if r.get("complete") for v in r["validation"]})
@@ -446,6 +561,47 @@ def render_markdown(bench: dict[str, Any]) -> str:
                 lines.append(f"| {r['name']} | " + " | ".join(
                     tau_text(at[s]["tau"], at[s]["stderr"]) if s in at else "-" for s in steps) + " |")
     return "\n".join(lines) + "\n"
+
+
+def replicate_table(bench: dict[str, Any], seeds: list[int]) -> list[str]:
+    """The table over seeds of a bench with several: each variant's test and best validation tau at each seed,
+    their mean and standard deviation between seeds, the difference to the baseline paired by seed."""
+    def by_seed(figures: dict[str, Any]) -> str:
+        at = {run["seed"]: run["tau"] for run in figures["by_seed"]}
+        return " / ".join(f"{at[seed]:.3f}" if seed in at else "-" for seed in seeds)
+
+    def mean(figures: dict[str, Any]) -> str:
+        if figures["mean"] is None:
+            return "-"
+        return f"{figures['mean']:.3f} (sd " + ("n/a" if figures["sd"] is None else f"{figures['sd']:.3f}") + ")"
+
+    def paired(figures: dict[str, Any]) -> str:
+        difference = figures["vs_baseline"]
+        if difference is None:
+            return "-"
+        stderr = "n/a" if difference["stderr"] is None else f"{difference['stderr']:.3f}"
+        return f"{difference['mean']:+.3f} +- {stderr} ({difference['seeds']})"
+
+    seed_list = " / ".join(map(str, seeds))
+    lines = [
+        f"Over seeds ({seed_list}): tau at each seed, the mean (and the standard deviation between seeds), and "
+        "the difference to the baseline paired by seed (each seed's run minus the baseline's at that seed: the mean "
+        "+- its standard error over seeds, and the number of seeds). A single run's +- (over test or validation "
+        "sequences) leaves out how far training on the same recipe varies between runs; the spread between seeds "
+        "holds it.",
+        "",
+        f"| variant | flags | test tau ({seed_list}) | test tau mean (sd) | test - baseline (seeds) | "
+        f"best validation tau ({seed_list}) | best validation mean (sd) | best validation - baseline (seeds) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for variant in bench["replicates"]:
+        name = variant["name"] + (" (baseline)" if variant["name"] == bench["baseline"] else "") + (
+            " (best)" if variant["name"] == bench["best"] else "")
+        flags = f"`{shlex.join(variant['flags'])}`" if variant["flags"] else "-"
+        test, validation = variant["test"], variant["best_validation"]
+        lines.append("| " + " | ".join([name, flags, by_seed(test), mean(test), paired(test), by_seed(validation),
+                                         mean(validation), paired(validation)]) + " |")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------------------ CLI
@@ -468,6 +624,10 @@ def main() -> None:
 @click.option("--eval-every", type=click.IntRange(min=1), required=True,
               help="Validation evaluations (whole split) every N steps, and at the end.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every variant (split, data, weights).")
+@click.option("--seeds", default=None, metavar="SEED,SEED,...",
+              help="Train every variant once per seed (runs NAME@sSEED; every variant at a seed before the next "
+                   "seed) and report each variant's mean over seeds and its difference to the baseline paired by "
+                   "seed. Instead of --seed.")
 @click.option("--train-flags", default="", help="`dflash train` flags of every variant (quoted), before its own.")
 @click.option("--untimed-steps", type=click.IntRange(min=0), default=50, show_default=True,
               help="The first N steps of each variant are left out of its s/step and block tokens/s (warm-up, "
@@ -481,11 +641,17 @@ def main() -> None:
 @click.option("--live-flags", default="--no-baselines", show_default=True,
               help="More `dflash eval` flags (quoted), e.g. \"--no-baselines --threads 2\".")
 def run_command(cache: Path, out: Path, variants: tuple[str, ...], steps: int, eval_every: int, seed: int,
-                train_flags: str, untimed_steps: int, live_data: str, live_samples: int, live_new_tokens: int,
-                live_flags: str) -> None:
+                seeds: str | None, train_flags: str, untimed_steps: int, live_data: str, live_samples: int,
+                live_new_tokens: int, live_flags: str) -> None:
     """Train each variant alone, at the same steps and schedule; test split, live tau; bench.json and bench.md."""
+    from click.core import ParameterSource
+
+    seed_given = click.get_current_context().get_parameter_source("seed") == ParameterSource.COMMANDLINE
     with user_facing_errors():
-        record = run_bench(cache, out, [parse_variant(v) for v in variants], steps, eval_every, seed,
+        if seeds is not None and seed_given:
+            raise UserError("give --seed or --seeds, not both")
+        record = run_bench(cache, out, [parse_variant(v) for v in variants], steps, eval_every,
+                           [seed] if seeds is None else parse_seeds(seeds),
                            shlex.split(train_flags), untimed_steps, [d for d in live_data.split(",") if d.strip()],
                            live_samples, live_new_tokens, shlex.split(live_flags))
     click.echo(render_markdown(record))

@@ -1,7 +1,8 @@
 """benchmarks/recipe_bench.py end to end on CPU: two variants of the real `dflash train` on the tests' tiny cache,
 trained one after another at the same steps and schedule (checked from their metrics), evaluated at the same steps
 on the whole validation split, then on the test split and live; a rerun after a variant's result was lost trains
-that variant alone; the table is generated from bench.json."""
+that variant alone; the table is generated from bench.json. With two seeds: the first seed's runs carried over from
+the one-seed bench, the second seed's trained, the figures over seeds checked against the per-run results."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import REPO, step_records
 
@@ -172,6 +176,148 @@ def test_a_rerun_skips_finished_variants_and_refuses_other_settings(bench: Path,
     assert {path: path.stat().st_mtime_ns for path in kept} == kept
 
 
+def test_seed_replicates_train_the_missing_seed_runs_and_pair_them_with_the_baseline(bench: Path, baseline_cache: Path,
+                                                                                    tmp_path: Path) -> None:
+    # The one-seed bench's runs are the seed-0 runs of a two-seed bench (renamed as recipe_bench.py's header says);
+    # then the machine was lost while the first seed-1 run trained (its run folder, no result): both seed-1 runs are
+    # trained, in the variants' order, and nothing of seed 0.
+    out = tmp_path / "bench"
+    shutil.copytree(bench, out)
+    for name in ("base", "g4"):
+        (out / "results" / f"{name}.json").rename(out / "results" / f"{name}@s0.json")
+        (out / "runs" / name).rename(out / "runs" / f"{name}@s0")
+    (out / "results" / "base.live.json").rename(out / "results" / "base@s0.live.json")
+    (out / "results" / "g4.live.json").unlink(missing_ok=True)  # (the best at seed 0 alone need not be over seeds)
+    (out / "runs" / "base@s1").mkdir()
+    (out / "runs" / "base@s1" / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # killed mid-way
+    for stale in ("bench.json", "bench.md"):
+        (out / stale).unlink()
+    kept = {path: path.stat().st_mtime_ns for path in (out / "results" / "base@s0.json", out / "results" / "g4@s0.json",
+                                                      out / "runs" / "base@s0" / "metrics.jsonl")}
+    result = run_bench(baseline_cache, out, "--seeds", "0,1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    log = result.stderr
+    assert {path: path.stat().st_mtime_ns for path in kept} == kept  # the finished seed-0 runs were not trained
+    assert "variant base@s0: done before" in log and "variant g4@s0: done before" in log
+    assert log.index("variant base@s1: training") < log.index("variant g4@s1: training")
+    assert "variant base@s0: training" not in log and "variant g4@s0: training" not in log
+    record = json.loads((out / "bench.json").read_text())
+    assert record["seeds"] == [0, 1] and "seed" not in record
+    rows = {r["name"]: r for r in record["results"]}
+    assert list(rows) == ["base@s0", "base@s1", "g4@s0", "g4@s1"]
+    assert all(r["complete"] and r["variant"] == r["name"][:-3] and r["seed"] == int(r["name"][-1])
+               for r in rows.values())
+    # Each seed-1 run trained at seed 1 (another start: another first loss) on the same schedule as every other run.
+    runs = {name: step_records(out / "runs" / name) for name in rows}
+    assert runs["base@s1"][1]["loss"] != runs["base@s0"][1]["loss"]
+    assert rows["g4@s1"]["settings"]["seed"] == 1 and rows["g4@s1"]["settings"]["flags"] == ["--gamma", "4", "--clip",
+                                                                                            "0.5"]
+    lrs = [{s: r["lr"] for s, r in steps.items()} for steps in runs.values()]
+    assert all(lr == lrs[0] for lr in lrs) and sorted(lrs[0]) == list(range(1, STEPS + 1))
+    # The figures over seeds, computed here from the per-run result files.
+    per_run = {name: json.loads((out / "results" / f"{name}.json").read_text()) for name in rows}
+    assert [r["name"] for r in record["replicates"]] == ["base", "g4"]
+    for replicate in record["replicates"]:
+        check_replicate(replicate, per_run, "base")
+    means = {v: statistics.mean(per_run[f"{v}@s{s}"]["best_validation"]["tau"] for s in (0, 1))
+             for v in ("base", "g4")}
+    assert record["best"] == max(means, key=lambda v: means[v])
+    # Live tau at the first seed only: the baseline's kept, the best's measured (when it is not the baseline).
+    assert rows["base@s0"]["live"] is not None and rows["base@s1"]["live"] is None and rows["g4@s1"]["live"] is None
+    assert (rows["g4@s0"]["live"] is not None) == (record["best"] == "g4")
+    table = (out / "bench.md").read_text()
+    assert table == load_bench().render_markdown(record)
+    g4 = record["replicates"][1]["test"]
+    row = next(line for line in table.splitlines() if line.startswith("| g4 "))  # the table over seeds
+    assert (f"| {g4['by_seed'][0]['tau']:.3f} / {g4['by_seed'][1]['tau']:.3f} | {g4['mean']:.3f} (sd {g4['sd']:.3f}) | "
+            f"{g4['vs_baseline']['mean']:+.3f} +- {g4['vs_baseline']['stderr']:.3f} (2) |") in row
+
+
+def check_replicate(replicate: dict, per_run: dict[str, dict], baseline: str) -> None:
+    """One variant's figures over seeds 0 and 1 against its runs' result files (the statistics module)."""
+    variant = replicate["name"]
+    assert replicate["flags"] == per_run[f"{variant}@s0"]["settings"]["flags"]
+    for figure in ("test", "best_validation"):
+        runs = [per_run[f"{variant}@s{seed}"][figure] for seed in (0, 1)]
+        got = replicate[figure]
+        assert got["by_seed"] == [{"seed": seed, "tau": run["tau"], "stderr": run["stderr"], "step": run["step"]}
+                                  for seed, run in enumerate(runs)]
+        assert got["mean"] == pytest.approx(statistics.mean(run["tau"] for run in runs))
+        assert got["sd"] == pytest.approx(statistics.stdev(run["tau"] for run in runs))
+        if variant == baseline:
+            assert got["vs_baseline"] is None
+            continue
+        differences = [runs[seed]["tau"] - per_run[f"{baseline}@s{seed}"][figure]["tau"] for seed in (0, 1)]
+        assert got["vs_baseline"] == {"mean": pytest.approx(statistics.mean(differences)), "seeds": 2,
+                                      "stderr": pytest.approx(statistics.stdev(differences) / 2 ** 0.5)}
+
+
+@settings(max_examples=30, deadline=None)
+@given(taus=st.dictionaries(st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from([0, 1, 2, 7])),
+                            st.floats(1.0, 4.0), min_size=1))
+def test_the_figures_over_seeds_pair_each_variant_with_the_baseline_at_its_finished_seeds(taus: dict) -> None:
+    """Runs finished at any subset of the seeds (the rest not run yet): per variant the mean and standard deviation
+    over its own finished seeds, the paired difference over the seeds both it and the baseline finished, and the
+    best by the mean best validation tau over seeds (not by any one seed)."""
+    import tempfile
+
+    module = load_bench()
+    seeds, variants = [0, 1, 2, 7], ["a", "b", "c"]
+    with tempfile.TemporaryDirectory() as folder:
+        bench = module.Bench(Path(folder))
+        for (variant, seed), tau in taus.items():
+            figure = {"step": 3, "tau": tau, "stderr": 0.01}
+            # The test tau differs from the validation tau, so that the two figures cannot be mixed up unseen.
+            bench.write(bench.result_path(f"{variant}@s{seed}"), {
+                "name": f"{variant}@s{seed}", "complete": True, "best_validation": figure,
+                "test": {**figure, "tau": tau / 2, "drafter": "export_best", "sequences": 3}})
+        header = {"seeds": seeds, "variants": [{"name": v, "flags": [v]} for v in variants]}
+        record = module.summary(bench, header)
+    for replicate in record["replicates"]:
+        name = replicate["name"]
+        for figure, scale in (("best_validation", 1.0), ("test", 0.5)):
+            got = replicate[figure]
+            mine = {s: taus[name, s] * scale for s in seeds if (name, s) in taus}
+            base = {s: taus["a", s] * scale for s in seeds if ("a", s) in taus}
+            assert [(r["seed"], r["tau"]) for r in got["by_seed"]] == list(mine.items())
+            if not mine:
+                assert got["mean"] is None and got["sd"] is None and got["vs_baseline"] is None
+                continue
+            assert got["mean"] == pytest.approx(statistics.mean(mine.values()))
+            assert got["sd"] == (pytest.approx(statistics.stdev(mine.values())) if len(mine) > 1 else None)
+            paired = [mine[s] - base[s] for s in mine if s in base]
+            if name == "a" or not paired:
+                assert got["vs_baseline"] is None
+                continue
+            assert got["vs_baseline"]["mean"] == pytest.approx(statistics.mean(paired))
+            assert got["vs_baseline"]["seeds"] == len(paired)
+            assert got["vs_baseline"]["stderr"] == (
+                pytest.approx(statistics.stdev(paired) / len(paired) ** 0.5) if len(paired) > 1 else None)
+    means = {v: statistics.mean(t for (w, _), t in taus.items() if w == v) for v in variants if
+             any(w == v for w, _ in taus)}
+    assert record["best"] in means and means[record["best"]] == pytest.approx(max(means.values()))
+    # The table over seeds: one row a variant, '-' for a seed not finished.
+    rows = module.replicate_table(record, seeds)[4:]
+    assert len(rows) == 3 and all(row.count("|") == 9 for row in rows)
+    assert [row.split(" | ")[2].count("-") for row in rows] == [sum((v, s) not in taus for s in seeds)
+                                                                for v in variants]
+
+
+def test_runs_go_seed_by_seed_and_keep_their_names_with_one_seed() -> None:
+    module = load_bench()
+    variants = [("base", []), ("kl", ["--loss", "kl"])]
+    assert [run[:3] for run in module.planned_runs(variants, [3, 1])] == [
+        ("base@s3", "base", 3), ("kl@s3", "kl", 3), ("base@s1", "base", 1), ("kl@s1", "kl", 1)]
+    assert module.planned_runs(variants, [5]) == [("base", "base", 5, []), ("kl", "kl", 5, ["--loss", "kl"])]
+    # --seeds is checked before anything runs: one line, exit 2.
+    for args, message in ((["--seeds", "0,x"], "--seeds '0,x': give comma-separated integers"),
+                          (["--seeds", "0,1,0"], "give each seed once"),
+                          (["--seeds", "0,1", "--seed", "3"], "give --seed or --seeds, not both")):
+        result = CliRunner().invoke(module.main, ["run", "--cache", str(REPO), "--out", "unused", "--steps", "3",
+                                                  "--eval-every", "1", "--variant", "base=", *args])
+        assert result.exit_code == 2 and message in result.output, result.output
+
+
 # A stand-in for `python3 benchmarks/recipe_bench.py` in the GPU driver: records its arguments and what its results
 # folder held when it started, and leaves a run folder with a checkpoint and weights beside its small results.
 STUB = r'''
@@ -202,7 +348,7 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
     (carried / "ce.json").write_text("{}")
     env = {**os.environ, "STUB_CALLS": str(calls), "RECIPE_BENCH": f"{sys.executable} {stub}", "OUT": str(out),
            "WORK": str(work), "SITE": str(tmp_path / "site"), "RESULTS_FROM": str(carried), "STEPS": "300",
-           "VARIANTS": "ce=--loss ce; mix25=--loss mix --kl-weight 0.25;"}
+           "VARIANTS": "ce=--loss ce; mix25=--loss mix --kl-weight 0.25;", "SEEDS": "0, 1,2"}
     result = subprocess.run(["bash", "benchmarks/gpu_recipe_bench.sh"], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -211,6 +357,7 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
     assert [args[i + 1] for i, a in enumerate(args) if a == "--variant"] == [
         "ce=--loss ce", "mix25=--loss mix --kl-weight 0.25"]
     assert args[args.index("--steps") + 1] == "300" and args[args.index("--out") + 1] == str(out / "bench")
+    assert args[args.index("--seeds") + 1] == "0,1,2"
     assert args[args.index("--live-samples") + 1] == "20" and args[args.index("--live-new-tokens") + 1] == "512"
     assert call["results_held"] == ["ce.json"]  # the carried results were there before the bench started
     assert "recipe bench done (exit 0)" in (out / "recipe_bench_stages.tsv").read_text()
@@ -307,7 +454,7 @@ def test_the_gpu_driver_makes_the_top_k_cache_from_the_carried_conversations(tmp
     assert [args[i + 1] for i, a in enumerate(args) if a == "--variant"] == [  # the default: question b, anchors
         "density6=", "fixed64=--anchor-density 1 --max-anchors 64",
         "density3=--anchor-density 0.3333 --max-anchors 100000"]
-    assert args[args.index("--steps") + 1] == "600"
+    assert args[args.index("--steps") + 1] == "600" and "--seeds" not in args  # one run a variant unless SEEDS
     assert args[args.index("--train-flags") + 1].endswith("--attention flex --compile")  # every variant fast
     stages = (out / "recipe_bench_stages.tsv").read_text()
     assert "\tcache\n" in stages and "recipe bench done (exit 0)" in stages
