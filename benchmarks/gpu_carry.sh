@@ -11,7 +11,7 @@ set -euo pipefail
 PY=${PY:-.venv/bin/python}
 export FIRST_TURNS=${FIRST_TURNS:-8000}
 for folder in .whl .carry_a .carry_b; do
-    grep -qx "/$folder/" .git/info/exclude 2>/dev/null || echo "/$folder/" >>.git/info/exclude
+    exclude=$(git rev-parse --git-path info/exclude); grep -qx "/$folder/" "$exclude" 2>/dev/null || echo "/$folder/" >>"$exclude"
 done
 rm -rf .whl .carry_a && mkdir -p .whl .carry_a .carry_b/site
 # The versions the CPU machines run (zarr 3.1 reads and writes the same format as the newer ones).
