@@ -70,17 +70,20 @@
 #            the next session generates only what that file lacks (`turns` leaves it out of the input, `merge`
 #            keeps one record per id). A generate restarted in the same session (call 3's command, with the same
 #            CARRIED) resumes from its part files.
-# Time, when the machine comes at once: start and setup ~2 min, model ~1 min (GGUF conversion 32-60 s), then
-# generation at ~3,680 new tokens/s on an H200 (2026-12-03, benchmarks/results/h200_generate_static: 795,584 new
-# tokens in 216 s, start-up included; 405 new tokens per conversation; 85 of 2,048 conversations skipped as too
-# long, 4.2 %). The 13,177 left: ~12,630 answered, ~5.12 M new tokens, ~1,390 s (23 min) of generation. A session
-# leaves ~1,470 s for it (30 min less ~4 before and ~1.5 after), less the 512-conversation chunks in flight at the
-# time limit (65-95 s of work each, lost): one H200 session does it only if the machine comes at once and the rate
-# holds; plan on a second, short one. On an H100: rate not measured.
-# Size: all ~17,000 merged are ~10 MB as gzip (588 bytes a conversation; ~7 MB as xz). In the tree, that puts
-# calls 1 and 2 over 64 MiB (today 63 MB each of the 67 MB): a second generation session before the commit carries
-# the file in .carry_c instead (cp it to .carry_c/carried.jsonl.gz, call 3 with CARRIED=.carry_c/carried.jsonl.gz);
-# once committed, the GGUF needs a third call (e.g. three parts of GGUF_PART=33000000, the last in .carry_c).
+# Time, when the machine comes at once: start and setup ~2 min, model ~1 min (GGUF conversion 32-60 s), call 3's
+# start ~20 s; then generation as measured on an H200 on 2026-12-03 (benchmarks/results/h200_generate_static:
+# 795,584 new tokens in 216 s with start-up, 3,680 tokens/s; 405 new tokens per answer; 85 of 2,048 skipped as too
+# long; ~57 s of start-up, the first 512-row chunk of each of the 2 workers 94 s with compilation, later ones 65 s).
+# The 13,177 first turns left (the first 85 of them those skipped before): ~12,550 answers, ~5.09 M new tokens:
+# ~23 min at 3,680 tokens/s, ~16 min at the later chunks' pace (26 chunks, 13 rounds of 65 s, plus start-up and
+# compilation). A session leaves generation ~1,470 s (30 min less ~4 before and ~1.5 after), so one H200 session
+# should do it when the machine comes at once; a machine that comes late or is lost (the chunks in flight, 65-95 s
+# of work each, are lost at the time limit or with the machine) needs a second, short session. H100: not measured.
+# Size: all ~16,760 merged are ~10 MB as gzip (588 bytes a conversation; ~7 MB as xz). In the tree, that puts
+# calls 1 and 2 over 64 MiB (today 63 MB each of the 67 MB; 73 MB with it): a second generation session before the
+# commit carries the file in .carry_c instead (cp it to .carry_c/carried.jsonl.gz; call 3 with
+# CARRIED=.carry_c/carried.jsonl.gz); once it is committed, the GGUF needs a third call (not built: e.g. parts of
+# GGUF_PART=33000000, one of them carried by a third call before `model`).
 #
 # The headline on the 4,215 carried conversations as run on 2026-12-04 (fifth session: one fp8 cache, two drafters
 # side by side at 64 and 16 anchors per sequence, the better one evaluated; 1,583 s of device time with a longer
