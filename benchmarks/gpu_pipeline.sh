@@ -50,8 +50,8 @@
 #
 # Four times the data (issue 29): the 13,177 of the dataset's 17,392 first turns with an answer that the 4,215
 # carried conversations leave, regenerated over one or two 30-minute device sessions. Each session:
-#   here:    bash benchmarks/gpu_carry.sh   (.carry_c: all first turns, 14.0 MB; calls 1 and 2 carry 60 MiB each,
-#            call 3 22 MiB, with the tree's 8.7 MB)
+#   here:    bash benchmarks/gpu_carry.sh   (.carry_c: all first turns, 14.0 MB; with the tree's 8.8 MB, call 1
+#            carries 62.7 MiB, call 2 60.3 MiB, call 3 21.7 MiB)
 #   call 1:  carry .whl .carry_a;  export OUT2=$OUT OUT=/tmp/gpu_out; bash benchmarks/gpu_pipeline.sh setup
 #   call 2:  carry .carry_b;  export OUT2=$OUT OUT=/tmp/gpu_out; cp -r . /tmp/repo && cd /tmp/repo &&
 #            bash benchmarks/gpu_pipeline.sh model
@@ -80,7 +80,7 @@
 # should do it when the machine comes at once; a machine that comes late or is lost (the chunks in flight, 65-95 s
 # of work each, are lost at the time limit or with the machine) needs a second, short session. H100: not measured.
 # Size: all ~16,760 merged are ~10 MB as gzip (588 bytes a conversation; ~7 MB as xz). In the tree, that puts
-# calls 1 and 2 over 64 MiB (today 63 MB each of the 67 MB; 73 MB with it): a second generation session before the
+# calls 1 and 2 over 64 MiB (72.2 and 69.8 MiB with it, without the older files' removal): a second session before the
 # commit carries the file in .carry_c instead (cp it to .carry_c/carried.jsonl.gz; call 3 with
 # CARRIED=.carry_c/carried.jsonl.gz); once it is committed, the GGUF needs a third call (not built: e.g. parts of
 # GGUF_PART=33000000, one of them carried by a third call before `model`).
@@ -198,8 +198,8 @@ carried_and_turns() {  # $WORK/carried.jsonl from $CARRIED; the first turns of $
     if [ -f "$CARRIED" ]; then gzip -dc "$CARRIED" >"$WORK/carried.jsonl"; else rm -f "$WORK/carried.jsonl"; fi
     [ -f "$TURNS" ] || return 0
     cp "$TURNS" "$WORK/sharegpt.jsonl.gz"
-    python3 benchmarks/generation_sessions.py pending --turns "$WORK/sharegpt.jsonl.gz" --carried "$WORK/carried.jsonl" |
-        tee -a "$OUT/timings.tsv"
+    python3 benchmarks/generation_sessions.py pending --turns "$WORK/sharegpt.jsonl.gz" \
+        --carried "$WORK/carried.jsonl" | tee -a "$OUT/timings.tsv"
 }
 
 merge_generated() {  # merge_generated FILE: the carried conversations and those finished in $WORK/gen so far
