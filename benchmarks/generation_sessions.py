@@ -35,16 +35,22 @@ def open_text(path: Path, mode: str, compressed: bool | None = None) -> IO[str]:
     return open(path, mode, encoding="utf-8")
 
 
+def fail(message: str) -> None:
+    """One line naming the file and what to do; exit 2."""
+    print(f"generation_sessions.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Every record of a JSON-lines file of ours (carried or first turns): a damaged line is an error, not skipped."""
-    records = []
-    with open_text(path, "r") as handle:
-        for number, line in enumerate(handle, 1):
-            try:
+    records: list[dict[str, Any]] = []
+    try:
+        with open_text(path, "r") as handle:
+            for line in handle:
                 records.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                sys.exit(f"{path}:{number} is not a JSON record ({error}); restore the file from git or from the "
-                         "session that wrote it")
+    except (json.JSONDecodeError, OSError, EOFError) as error:  # a damaged line, a cut or damaged gzip stream
+        fail(f"{path}: line {len(records) + 1} is not a whole JSON record ({error}); restore the file from git or "
+             "from the session that wrote it")
     return records
 
 
@@ -102,8 +108,13 @@ def merge(carried: list[dict[str, Any]], finished: Iterable[dict[str, Any]]) -> 
 def finished_records(gen_dir: Path) -> list[dict[str, Any]]:
     """What `dflash generate` has finished in `gen_dir` (none yet: no records)."""
     from dflash.stage1_extract.generate_run import read_finished
+    from dflash.stage1_extract.supervisor import ExtractRefused
 
-    return list(read_finished(gen_dir).values()) if gen_dir.is_dir() else []
+    try:
+        return list(read_finished(gen_dir).values()) if gen_dir.is_dir() else []
+    except ExtractRefused as error:  # a damaged line before the last one of a part file
+        fail(str(error))
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -238,3 +238,17 @@ def test_first_turns_hold_every_conversation_that_has_an_answer(tmp_path: Path) 
         for turn, record in zip(turns, expected):
             first_answer = [m["role"] for m in record["messages"]].index("assistant") + 1
             assert turn["messages"] == record["messages"][:first_answer]
+
+
+def test_a_damaged_carried_file_is_refused_in_one_line_and_nothing_is_written(tmp_path: Path) -> None:
+    """The carried file is ours and whole: a torn line there (unlike in a running generate's part file) is damage."""
+    turns = [conversation(f"n{i}", "answer") for i in range(3)]
+    write_jsonl_gz(tmp_path / "turns.jsonl.gz", turns)
+    with gzip.open(tmp_path / "carried.jsonl.gz", "wt", encoding="utf-8") as handle:
+        handle.write(json.dumps(conversation("n0", "carried")) + "\n" + '{"id": "n1", "mess')
+    result = subprocess.run([sys.executable, "benchmarks/generation_sessions.py", "pending", "--turns",
+                             str(tmp_path / "turns.jsonl.gz"), "--carried", str(tmp_path / "carried.jsonl.gz")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and f"{tmp_path / 'carried.jsonl.gz'}: line 2 " in result.stderr
+    assert read_jsonl(tmp_path / "turns.jsonl.gz") == turns
