@@ -12,7 +12,9 @@
 #
 # Settings (environment): VARIANTS ("NAME=FLAGS;NAME=FLAGS;...", the first the baseline; default: the issue's
 # question b, anchors per sequence: the default density 1/6 (capped at 512), 64 a sequence (every anchor position up
-# to 64), density 1/3 uncapped; question a, the loss, was answered on 2026-12-06), STEPS (600), EVAL_EVERY (200),
+# to 64), density 1/3 uncapped; question a, the loss, was answered on 2026-12-06), STEPS (600), VARIANT_STEPS
+# ("NAME=STEPS;NAME=STEPS": those variants train their own number of steps instead, each its own cosine schedule
+# over its own length: recipe_bench.py --steps-of; the equal-time comparison below), EVAL_EVERY (200),
 # TRAIN_FLAGS (every variant's flags), UNTIMED_STEPS (50), SEEDS ("0,1,2": every variant trained once per seed,
 # runs NAME@sSEED, all variants at a seed before the next; the table adds each variant's mean over seeds and its
 # difference to the baseline paired by seed; default: one run per variant at seed 0), LIVE_SAMPLES (20),
@@ -26,6 +28,17 @@
 # variants x seeds runs of ~3-4 min each: 6 runs (3 variants x 2 seeds, or 2 x 3) 17-25 min, which with the start,
 # the cache and live tau (~4-8 min) just fits one 30-minute session; 9 runs (3 x 3) need two (the second with
 # RESULTS_FROM the first's results/: it trains only what is missing).
+# Equal GPU time instead of equal steps (the product's claim is the better drafter per GPU-hour): give the faster
+# variant the steps that take the baseline's training time, from s/step measured with each variant alone on the GPU
+# (docs/benchmarks.md "The fast training path in whole runs": 0.196 s a step on the plain path, 0.083 on the fast
+# path, H100, 600 steps), e.g. plain against the fast path at 600 x 0.196 / 0.083 = 1,420 steps:
+#   VARIANTS="plain=--attention sdpa --no-compile;fixed64=--anchor-density 1 --max-anchors 64" STEPS=600
+#   VARIANT_STEPS="fixed64=1420"
+# The table's train s (every step's time, compilation included, evaluations not) and train s / baseline's columns
+# then show how equal the times came out: measured, not assumed. The fast path's compilation counts (GPU time a user
+# pays too) and the steady s/step leave it out: 94.9 s in the first 50 steps compiling cold, ~17 s from the bench's
+# warm compile cache (H100, 2026-12-06, benchmarks/results/h100_fast_path_and_loss_2026-12-06); in the example the
+# fast variant runs after the plain one, so on a fresh machine it compiles cold.
 # Follow-ups on the same machine, each alone on the GPU after the bench, in this order (each optional):
 #   EVAL_ALONE=1    `dflash eval` of the best variant's drafter with its baselines (plain greedy, prompt lookup) on
 #                   MT-Bench and HumanEval, LIVE_SAMPLES x LIVE_TOKENS, alone: wall time per dataset, tokens/s,
@@ -121,6 +134,11 @@ IFS=';' read -ra entries <<<"$VARIANTS"
 for entry in "${entries[@]}"; do
     read -r entry <<<"$entry"  # without the spaces around it
     [ -n "$entry" ] && variant_args+=(--variant "$entry")
+done
+IFS=';' read -ra entries <<<"${VARIANT_STEPS:-}"
+for entry in "${entries[@]}"; do
+    read -r entry <<<"$entry"
+    [ -n "$entry" ] && variant_args+=(--steps-of "$entry")
 done
 # shellcheck disable=SC2086
 $RECIPE_BENCH run --cache "$WORK/cache_fp8" --out "$BENCH" --steps "$STEPS" \

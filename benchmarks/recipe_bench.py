@@ -3,7 +3,8 @@
     python benchmarks/recipe_bench.py run --cache CACHE --out BENCH --steps 600 --eval-every 200 \\
         --train-flags "--batch-tokens 49152 --num-workers 6" \\
         --variant ce="--loss ce" --variant kl="--loss kl" \\
-        --variant mix="--loss mix" --variant mix25="--loss mix --kl-weight 0.25" [--seeds 0,1,2]
+        --variant mix="--loss mix" --variant mix25="--loss mix --kl-weight 0.25" [--seeds 0,1,2] \\
+        [--steps-of NAME=STEPS ...]
     python benchmarks/recipe_bench.py table --out BENCH    # BENCH/bench.md again, from BENCH/bench.json
 
 The first variant is the baseline. Each variant is one `dflash train` process, run one after another (never side
@@ -33,6 +34,23 @@ order) gives a replicate whatever the device. With one seed, runs keep the varia
 without seeds; results/NAME.json of a one-seed bench at seed K is results/NAME@sK.json of a bench with several
 (rename it, its .live.json and runs/NAME to reuse it).
 
+Equal GPU time (`--steps-of NAME=STEPS`, repeatable): variant NAME trains STEPS steps instead of --steps, on its own
+cosine schedule over its own length (`--max-steps STEPS`, as a user's run of that length would), still evaluated
+every --eval-every steps and at its last step (the trainer evaluates the last step whatever --eval-every); its STEPS
+are part of its run's settings (a result of another length is refused, never reused). This compares recipes of
+different speed at equal training time, the product's claim (the better drafter per GPU-hour): e.g. the plain path
+against the fast one (docs/benchmarks.md "The fast training path in whole runs": 0.196 s against 0.083 s a step on
+an H100, so 600 x 0.196 / 0.083 = 1,420 steps):
+
+    python benchmarks/recipe_bench.py run ... --steps 600 --variant plain="--attention sdpa --no-compile" \\
+        --variant fixed64="--anchor-density 1 --max-anchors 64" --steps-of fixed64=1420
+
+The step counts must come from s/step measured with each variant alone on the GPU (this bench's own table, or
+benchmarks/bench_train.py), never from runs sharing a GPU. The bench does not trust them: each run reports its
+training time (train s: the sum of every step's step_s, the untimed first steps and their compilation included,
+GPU time a user pays too; evaluations excluded) and its ratio to the baseline's run at the same seed, so that the
+table shows how equal the times came out.
+
 Cost, per variant alone, from its metrics.jsonl: `step_s` (the step's wall time in the training loop, from its
 start to the next step's: the loop reads each step's figures one step late, so the host prepares the next step while
 the device runs this one, and the step times add up to the loop's; evaluations and checkpoints excluded) and
@@ -55,7 +73,8 @@ seed, flags) is refused, never overwritten. Train logs: BENCH/logs/NAME.train.ou
 evaluations: BENCH/live/.
 
 On the lent GPU: benchmarks/gpu_recipe_bench.sh (the cache, then this bench, detached, results under $OUT). On the
-CPU: tests/benchmarks/test_recipe_bench.py (a tiny cache, two variants, one seed and then two).
+CPU: tests/benchmarks/test_recipe_bench.py (a tiny cache, two variants, one seed and then two, and one variant
+with its own steps).
 """
 
 from __future__ import annotations
@@ -114,6 +133,21 @@ def planned_runs(variants: list[tuple[str, list[str]]], seeds: list[int]) -> lis
 
 def dflash_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "dflash.shared.cli", *args]
+
+
+def parse_steps_of(texts: tuple[str, ...], names: list[str]) -> dict[str, int]:
+    """--steps-of NAME=STEPS, ... -> {NAME: STEPS}: the variants that train their own number of steps."""
+    steps_of: dict[str, int] = {}
+    for text in texts:
+        name, _, steps = text.partition("=")
+        if name not in names:
+            raise UserError(f"--steps-of {text!r}: give NAME=STEPS, NAME one of the variants ({', '.join(names)})")
+        if name in steps_of:
+            raise UserError(f"--steps-of {text!r}: give each variant's steps once")
+        if not steps.strip().isdigit() or int(steps) < 1:
+            raise UserError(f"--steps-of {text!r}: STEPS must be a positive whole number of steps")
+        steps_of[name] = int(steps)
+    return steps_of
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -259,13 +293,16 @@ def summarize_run(run: RunFiles, untimed_steps: int) -> dict[str, Any]:
 
 
 def step_cost(steps: list[dict[str, Any]], untimed_steps: int) -> dict[str, Any]:
-    """s/step, block tokens/s and peak memory over the steps after the first `untimed_steps`."""
+    """s/step, block tokens/s and peak memory over the steps after the first `untimed_steps`; the training time
+    (train_s): every step's time, the untimed ones included (compilation is GPU time a user pays too; evaluations
+    and checkpoints are outside the steps' times)."""
     timed = [r for r in steps if r["step"] > untimed_steps]
     seconds = sum(r["step_s"] for r in timed)
     tokens = sum(r["block_tokens"] for r in timed)
     return {
         "untimed_steps": untimed_steps,
         "untimed_s": round(sum(r["step_s"] for r in steps if r["step"] <= untimed_steps), 3),
+        "train_s": sum(r["step_s"] for r in steps),
         "timed_steps": len(timed),
         "s_per_step": seconds / len(timed),
         "s_per_step_median": statistics.median(r["step_s"] for r in timed),
@@ -319,19 +356,21 @@ def live_evaluations(bench: Bench, names: list[str], datasets: list[str], settin
 # ------------------------------------------------------------------------------------------------------- the bench
 
 
-def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], steps: int, eval_every: int,
-              seeds: list[int], train_flags: list[str], untimed_steps: int, live_data: list[str], live_samples: int,
-              live_new_tokens: int, live_flags: list[str]) -> dict[str, Any]:
-    """Train every variant at every seed not done before, one run after another; then live tau of the baseline and
-    the best at the first seed."""
+def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], steps: int, steps_of: dict[str, int],
+              eval_every: int, seeds: list[int], train_flags: list[str], untimed_steps: int, live_data: list[str],
+              live_samples: int, live_new_tokens: int, live_flags: list[str]) -> dict[str, Any]:
+    """Train every variant at every seed not done before, one run after another, each `steps` steps or its own
+    (`steps_of`); then live tau of the baseline and the best at the first seed."""
     bench = Bench(out)
     bench.root.mkdir(parents=True, exist_ok=True)
     setup_logging(bench.root / "bench.log")
     names = [name for name, _ in variants]
     if len(set(names)) != len(names):
         raise UserError(f"--variant names must differ: {names}")
-    if untimed_steps >= steps:
-        raise UserError(f"--untimed-steps {untimed_steps} leaves none of the {steps} steps timed: lower it")
+    variant_steps = {name: steps_of.get(name, steps) for name in names}
+    if untimed_steps >= min(variant_steps.values()):
+        raise UserError(f"--untimed-steps {untimed_steps} leaves none of the {min(variant_steps.values())} steps "
+                        "timed: lower it")
     check_train_flags(train_flags, SET_BY_BENCH, "--train-flags")
     for name, flags in variants:
         check_train_flags(flags, SET_BY_BENCH + SAME_FOR_ALL, f"--variant {name}")
@@ -339,23 +378,27 @@ def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], ste
               "eval_every": eval_every, "seed": seeds[0], "train_flags": train_flags, "untimed_steps": untimed_steps}
     live_settings = {"samples": live_samples, "new_tokens": live_new_tokens, "flags": live_flags}
     runs = planned_runs(variants, seeds)
-    # A run's settings name its own seed only, so that a bench given more seeds later keeps the runs it has.
-    settings = {run: {**common, "seed": seed, "flags": flags} for run, _, seed, flags in runs}
+    # A run's settings name its own seed only, so that a bench given more seeds later keeps the runs it has; and its
+    # variant's steps (its own with --steps-of), so that a result of another length is refused, never reused.
+    settings = {run: {**common, "steps": variant_steps[variant], "seed": seed, "flags": flags}
+                for run, variant, seed, flags in runs}
     done = {run: is_done(bench, run, settings[run], live_settings) for run, *_ in runs}
-    header = {"cache": str(cache), **common, "variants": [{"name": n, "flags": f} for n, f in variants],
+    header = {"cache": str(cache), **common,
+              "variants": [{"name": n, "flags": f, "steps": variant_steps[n]} for n, f in variants],
               "live": {"data": live_data, **live_settings}}
     if len(seeds) > 1:
         del header["seed"]
         header["seeds"] = seeds
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(bench.root / "compile_cache" / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(bench.root / "compile_cache" / "triton"))
-    log.info("recipe bench in %s: %d variants x %d steps (validation every %d) at seeds %s, on %s", bench.root,
-             len(variants), steps, eval_every, ", ".join(map(str, seeds)), device_name())
+    log.info("recipe bench in %s: %d variants x %d steps%s (validation every %d) at seeds %s, on %s", bench.root,
+             len(variants), steps, "".join(f", {n} {s}" for n, s in steps_of.items()), eval_every,
+             ", ".join(map(str, seeds)), device_name())
 
     def train(name: str) -> None:
-        seed, flags = settings[name]["seed"], settings[name]["flags"]
+        seed, flags, length = settings[name]["seed"], settings[name]["flags"], settings[name]["steps"]
         command = dflash_command("train", "--cache", str(cache), "--out", str(bench.runs / name), "--overwrite",
-                                 "--max-steps", str(steps), "--eval-every", str(eval_every), "--seed", str(seed),
+                                 "--max-steps", str(length), "--eval-every", str(eval_every), "--seed", str(seed),
                                  "--checkpoint-every", "0", "--keep-checkpoints", "1", *train_flags, *flags)
         bench.write(bench.result_path(name), train_variant(bench, name, command, settings[name]))
         write_summary(bench, header)
@@ -438,19 +481,41 @@ def summary(bench: Bench, header: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+def train_seconds(result: dict[str, Any]) -> float | None:
+    """A finished run's training time (`step_cost`'s train_s; for a result written before train_s was, the same sum
+    from its untimed and timed steps' seconds); None for a run not finished."""
+    if not result.get("complete"):
+        return None
+    cost = result.get("cost") or {}
+    if "train_s" in cost:
+        return cost["train_s"]
+    return cost["untimed_s"] + cost["s_per_step"] * cost["timed_steps"] if "s_per_step" in cost else None
+
+
 def replicates(rows: list[dict[str, Any]], variants: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
     """Each variant's test tau and best validation tau over its finished seeds: per seed, their mean, the standard
     deviation between seeds, and the difference to the baseline paired by seed (the variant's run minus the
-    baseline's at the same seed: their mean, its standard error over seeds, and the number of seeds paired)."""
+    baseline's at the same seed: their mean, its standard error over seeds, and the number of seeds paired); and
+    its steps and training time (mean over its seeds, and its ratio to the baseline's paired by seed)."""
     def finished(variant: str, figure: str) -> dict[int, dict[str, Any]]:  # seed -> the run's figure
         return {r["seed"]: r[figure] for r in rows
                 if r["variant"] == variant and r.get("complete") and r.get(figure) is not None}
 
+    def trained(variant: str) -> dict[int, float]:  # seed -> the run's training seconds
+        return {r["seed"]: seconds for r in rows if r["variant"] == variant
+                and (seconds := train_seconds(r)) is not None}
+
     figures = ("test", "best_validation")
     base = {figure: finished(baseline, figure) for figure in figures}
+    base_seconds = trained(baseline)
     out = []
     for entry in variants:
-        record: dict[str, Any] = {"name": entry["name"], "flags": entry["flags"]}
+        seconds = trained(entry["name"])
+        ratios = [seconds[seed] / base_seconds[seed] for seed in seconds if base_seconds.get(seed)]
+        record: dict[str, Any] = {
+            "name": entry["name"], "flags": entry["flags"], "steps": entry.get("steps"),
+            "train_s": {"mean": statistics.fmean(seconds.values()) if seconds else None,
+                        "vs_baseline": {"mean": statistics.fmean(ratios), "seeds": len(ratios)} if ratios else None}}
         for figure in figures:
             by_seed = finished(entry["name"], figure)
             values = list(by_seed.values())
@@ -500,15 +565,22 @@ def render_markdown(bench: dict[str, Any]) -> str:
         seeding = (f"seeds {', '.join(map(str, seeds))} (each variant trained once per seed, alone, one run after "
                    "another, every variant at a seed before the next seed)",
                    f"the baseline and the best (by its mean best validation tau over seeds) at seed {seeds[0]}")
+    own_steps = [f"{v['name']} {v['steps']:,}" for v in bench["variants"]
+                 if v.get("steps", bench["steps"]) != bench["steps"]]
+    steps = f"{bench['steps']:,} steps per variant (the same cosine schedule)" + (
+        f", except {', '.join(own_steps)} steps (their own: each its own cosine schedule over its own length)"
+        if own_steps else "")
     lines = [
         "# Recipe bench",
         "",
-        f"Cache `{bench['cache']}`; {bench['steps']} steps per variant (the same cosine schedule), {seeding[0]}; "
+        f"Cache `{bench['cache']}`; {steps}, {seeding[0]}; "
         f"validation tau over the whole validation split every {bench['eval_every']} steps; test tau over the whole "
         f"test split for the drafter of the best validation tau; live tau (`dflash eval`, {bench['live']['samples']}"
-        f" prompts x {bench['live']['new_tokens']} new tokens) for {seeding[1]}. +- one standard error. Cost over "
-        f"steps {bench['untimed_steps'] + 1}-{bench['steps']} (the first {bench['untimed_steps']} hold the warm-up "
-        f"and compilation: untimed); peak memory of the whole run. Flags of every variant: "
+        f" prompts x {bench['live']['new_tokens']} new tokens) for {seeding[1]}. +- one standard error. s/step and "
+        f"block tok/s over each run's steps after the first {bench['untimed_steps']} (which hold the warm-up and "
+        f"compilation: untimed s); train s: the sum of every step's time, the untimed ones included (evaluations "
+        f"excluded), and its ratio to the baseline's run at the same seed, as measured; peak memory of the whole "
+        f"run. Flags of every variant: "
         f"`{shlex.join(bench['train_flags']) or '(none)'}`. Device: {', '.join(devices) or '-'}.",
         "",
     ]
@@ -518,8 +590,9 @@ def render_markdown(bench: dict[str, Any]) -> str:
     lines += [
         "| variant | flags | best validation tau (step) | test tau | test / baseline | "
         + "".join(f"live {d} tau | " for d in datasets)
-        + "s/step (median) | block tok/s | untimed s | peak GiB | final loss | schedule |",
-        "|---|---|---:|---:|---:|" + "---:|" * len(datasets) + "---:|---:|---:|---:|---:|---|",
+        + "steps | train s | train s / baseline's | s/step (median) | block tok/s | untimed s | peak GiB | final loss "
+        "| schedule |",
+        "|---|---|---:|---:|---:|" + "---:|" * len(datasets) + "---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         variant = r.get("variant", r["name"])
@@ -528,12 +601,13 @@ def render_markdown(bench: dict[str, Any]) -> str:
         flags = f"`{shlex.join(r['flags'])}`" if r["flags"] else "-"
         if not r.get("complete"):
             error = str(r.get("error", "failed")).replace("|", "/")
-            lines.append(f"| {name} | {flags} | {error} |" + " |" * (8 + len(datasets)))
+            lines.append(f"| {name} | {flags} | {error} |" + " |" * (11 + len(datasets)))
             continue
         best, test, cost, live = r["best_validation"], r["test"], r["cost"], r.get("live") or {}
         baseline = baselines.get(r.get("seed")) or {}
         base_test = baseline.get("test") if baseline.get("complete") else None
         ratio = f"{test['tau'] / base_test['tau']:.3f}x" if test and base_test else "-"
+        seconds, base_seconds = train_seconds(r), train_seconds(baseline)
         cells = [
             name, flags,
             f"{tau_text(best['tau'], best['stderr'])} ({best['step']})" if best else "-",
@@ -541,25 +615,29 @@ def render_markdown(bench: dict[str, Any]) -> str:
             ratio,
             *(tau_text(live[d]["tau"], live[d]["tau_stderr"]) + f" ({live[d]['prompts']})" if d in live else "-"
               for d in datasets),
+            f"{r['steps']:,}",
+            "-" if seconds is None else f"{seconds:,.1f}",
+            f"{seconds / base_seconds:.3f}x" if seconds is not None and base_seconds else "-",
             f"{cost['s_per_step']:.4f} ({cost['s_per_step_median']:.4f})",
             f"{cost['block_tokens_per_s']:,.0f}" if cost["block_tokens_per_s"] else "-",
             f"{cost['untimed_s']:.1f}",
             "-" if cost["peak_memory_gib"] is None else f"{cost['peak_memory_gib']:.2f}",
             f"{r['final_loss']:.4f}",
             "baseline's" if r["schedule_sha1"] == baseline.get("schedule_sha1")
+            else f"its own over {r['steps']:,} steps (peak lr {r['lr_peak']:.2e})" if r["steps"] != bench["steps"]
             else f"other (peak lr {r['lr_peak']:.2e})",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    steps = sorted({v["step"] for r in results if r.get("complete") for v in r["validation"]})
-    if steps:
+    evaluated = sorted({v["step"] for r in results if r.get("complete") for v in r["validation"]})
+    if evaluated:
         lines += ["", "Validation tau by step (whole validation split, +- one standard error):", "",
-                  "| variant | " + " | ".join(f"step {s}" for s in steps) + " |",
-                  "|---|" + "---:|" * len(steps)]
+                  "| variant | " + " | ".join(f"step {s}" for s in evaluated) + " |",
+                  "|---|" + "---:|" * len(evaluated)]
         for r in results:
             if r.get("complete"):
                 at = {v["step"]: v for v in r["validation"]}
                 lines.append(f"| {r['name']} | " + " | ".join(
-                    tau_text(at[s]["tau"], at[s]["stderr"]) if s in at else "-" for s in steps) + " |")
+                    tau_text(at[s]["tau"], at[s]["stderr"]) if s in at else "-" for s in evaluated) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -582,17 +660,27 @@ def replicate_table(bench: dict[str, Any], seeds: list[int]) -> list[str]:
         stderr = "n/a" if difference["stderr"] is None else f"{difference['stderr']:.3f}"
         return f"{difference['mean']:+.3f} +- {stderr} ({difference['seeds']})"
 
+    def train_time(variant: dict[str, Any]) -> list[str]:  # steps, mean train s, its ratio to the baseline's
+        seconds = variant.get("train_s") or {}
+        ratio = seconds.get("vs_baseline")
+        return ["-" if variant.get("steps") is None else f"{variant['steps']:,}",
+                "-" if seconds.get("mean") is None else f"{seconds['mean']:,.1f}",
+                "-" if ratio is None else f"{ratio['mean']:.3f}x ({ratio['seeds']})"]
+
     seed_list = " / ".join(map(str, seeds))
     lines = [
         f"Over seeds ({seed_list}): tau at each seed, the mean (and the standard deviation between seeds), and "
         "the difference to the baseline paired by seed (each seed's run minus the baseline's at that seed: the mean "
         "+- its standard error over seeds, and the number of seeds). A single run's +- (over test or validation "
         "sequences) leaves out how far training on the same recipe varies between runs; the spread between seeds "
-        "holds it.",
+        "holds it. Steps and train s (the sum of every step's time, mean over seeds; its ratio to the baseline's run "
+        "at the same seed, mean over the seeds both finished) tell whether the variants had equal steps or equal "
+        "time.",
         "",
         f"| variant | flags | test tau ({seed_list}) | test tau mean (sd) | test - baseline (seeds) | "
-        f"best validation tau ({seed_list}) | best validation mean (sd) | best validation - baseline (seeds) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        f"best validation tau ({seed_list}) | best validation mean (sd) | best validation - baseline (seeds) | "
+        "steps | train s mean | train s / baseline's (seeds) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for variant in bench["replicates"]:
         name = variant["name"] + (" (baseline)" if variant["name"] == bench["baseline"] else "") + (
@@ -600,7 +688,7 @@ def replicate_table(bench: dict[str, Any], seeds: list[int]) -> list[str]:
         flags = f"`{shlex.join(variant['flags'])}`" if variant["flags"] else "-"
         test, validation = variant["test"], variant["best_validation"]
         lines.append("| " + " | ".join([name, flags, by_seed(test), mean(test), paired(test), by_seed(validation),
-                                         mean(validation), paired(validation)]) + " |")
+                                         mean(validation), paired(validation), *train_time(variant)]) + " |")
     return lines
 
 
@@ -621,6 +709,9 @@ def main() -> None:
               help="A variant: its name and its own `dflash train` flags (quoted); repeat; the first is the baseline.")
 @click.option("--steps", type=click.IntRange(min=1), required=True,
               help="Optimizer steps of every variant (`dflash train --max-steps`: the schedule's length).")
+@click.option("--steps-of", "steps_of", multiple=True, metavar="NAME=STEPS",
+              help="Variant NAME trains STEPS steps instead (its own cosine schedule over its own length): the "
+                   "equal-time comparison; repeat.")
 @click.option("--eval-every", type=click.IntRange(min=1), required=True,
               help="Validation evaluations (whole split) every N steps, and at the end.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every variant (split, data, weights).")
@@ -640,9 +731,9 @@ def main() -> None:
               help="New tokens per prompt.")
 @click.option("--live-flags", default="--no-baselines", show_default=True,
               help="More `dflash eval` flags (quoted), e.g. \"--no-baselines --threads 2\".")
-def run_command(cache: Path, out: Path, variants: tuple[str, ...], steps: int, eval_every: int, seed: int,
-                seeds: str | None, train_flags: str, untimed_steps: int, live_data: str, live_samples: int,
-                live_new_tokens: int, live_flags: str) -> None:
+def run_command(cache: Path, out: Path, variants: tuple[str, ...], steps: int, steps_of: tuple[str, ...],
+                eval_every: int, seed: int, seeds: str | None, train_flags: str, untimed_steps: int, live_data: str,
+                live_samples: int, live_new_tokens: int, live_flags: str) -> None:
     """Train each variant alone, at the same steps and schedule; test split, live tau; bench.json and bench.md."""
     from click.core import ParameterSource
 
@@ -650,10 +741,11 @@ def run_command(cache: Path, out: Path, variants: tuple[str, ...], steps: int, e
     with user_facing_errors():
         if seeds is not None and seed_given:
             raise UserError("give --seed or --seeds, not both")
-        record = run_bench(cache, out, [parse_variant(v) for v in variants], steps, eval_every,
-                           [seed] if seeds is None else parse_seeds(seeds),
-                           shlex.split(train_flags), untimed_steps, [d for d in live_data.split(",") if d.strip()],
-                           live_samples, live_new_tokens, shlex.split(live_flags))
+        parsed = [parse_variant(v) for v in variants]
+        record = run_bench(cache, out, parsed, steps, parse_steps_of(steps_of, [name for name, _ in parsed]),
+                           eval_every, [seed] if seeds is None else parse_seeds(seeds), shlex.split(train_flags),
+                           untimed_steps, [d for d in live_data.split(",") if d.strip()], live_samples,
+                           live_new_tokens, shlex.split(live_flags))
     click.echo(render_markdown(record))
 
 

@@ -2,7 +2,8 @@
 trained one after another at the same steps and schedule (checked from their metrics), evaluated at the same steps
 on the whole validation split, then on the test split and live; a rerun after a variant's result was lost trains
 that variant alone; the table is generated from bench.json. With two seeds: the first seed's runs carried over from
-the one-seed bench, the second seed's trained, the figures over seeds checked against the per-run results."""
+the one-seed bench, the second seed's trained, the figures over seeds checked against the per-run results. With one
+variant at its own steps (equal time): its steps, schedule, last evaluation and training time from its metrics."""
 
 from __future__ import annotations
 
@@ -176,6 +177,70 @@ def test_a_rerun_skips_finished_variants_and_refuses_other_settings(bench: Path,
     assert {path: path.stat().st_mtime_ns for path in kept} == kept
 
 
+def test_a_variant_with_its_own_steps_trains_its_own_schedule_and_its_training_time_is_measured(
+        bench: Path, baseline_cache: Path, tmp_path: Path) -> None:
+    # The equal-time comparison: g4 trains OWN steps (not a multiple of EVAL_EVERY) while the baseline keeps STEPS.
+    own = STEPS + 2
+    out = tmp_path / "bench"
+    shutil.copytree(bench, out)
+    kept = {path: path.stat().st_mtime_ns for path in (out / "runs" / "base" / "metrics.jsonl",
+                                                      out / "results" / "base.json")}
+    extra = ("--steps-of", f"g4={own}", "--live-data", "")  # (no live tau: nothing here depends on it)
+    # A variant's steps are part of its run's settings: the kept g4 result of STEPS steps is refused, not reused.
+    refused = run_bench(baseline_cache, out, *extra)
+    assert refused.returncode == 2 and "g4.json was made with other settings (steps differ)" in refused.stderr, (
+        refused.stderr[-3000:])
+    (out / "results" / "g4.json").unlink()
+    result = run_bench(baseline_cache, out, *extra)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "variant base: done before" in result.stderr and "variant g4: training" in result.stderr
+    assert {path: path.stat().st_mtime_ns for path in kept} == kept
+    # g4 trained its own steps on its own cosine schedule (read from its metrics): the learning rate moves until
+    # its last step and reaches 0 there, where the baseline's reached 0 at STEPS.
+    runs = {name: step_records(out / "runs" / name) for name in ("base", "g4")}
+    assert sorted(runs["g4"]) == list(range(1, own + 1)) and sorted(runs["base"]) == list(range(1, STEPS + 1))
+    lrs = {name: [runs[name][s]["lr"] for s in sorted(runs[name])] for name in runs}
+    assert lrs["g4"][-1] == pytest.approx(0, abs=1e-12) and lrs["base"][-1] == pytest.approx(0, abs=1e-12)
+    assert all(lr > 0 for lr in lrs["g4"][:-1]) and lrs["g4"][STEPS - 1] > 0
+    record = json.loads((out / "bench.json").read_text())
+    results = {r["name"]: r for r in record["results"]}
+    assert results["g4"]["steps"] == results["g4"]["settings"]["steps"] == own
+    assert results["base"]["steps"] == results["base"]["settings"]["steps"] == STEPS
+    assert [v["name"] for v in record["variants"]] == ["base", "g4"]
+    assert [v["steps"] for v in record["variants"]] == [STEPS, own]
+    # Evaluated every EVAL_EVERY steps and at its last step.
+    assert [v["step"] for v in results["g4"]["validation"]] == [0, 2, 4, own]
+    # Training time: every step's step_s, the untimed ones included, summed here from each run's metrics.
+    seconds = {name: sum(r["step_s"] for r in runs[name].values()) for name in runs}
+    assert all(results[name]["cost"]["train_s"] == pytest.approx(seconds[name], abs=1e-9) for name in runs)
+    assert all(seconds[name] > results[name]["cost"]["untimed_s"] > 0 for name in runs)
+    table = (out / "bench.md").read_text()
+    assert table == load_bench().render_markdown(record)
+    rows: dict[str, str] = {}  # the first table's row of each run
+    for line in table.splitlines():
+        if line.startswith(("| base ", "| g4 ")):
+            rows.setdefault(line.split(" ")[1], line)
+    assert (f"| {STEPS} | {seconds['base']:,.1f} | 1.000x | " in rows["base"]
+            and f"| {own} | {seconds['g4']:,.1f} | {seconds['g4'] / seconds['base']:.3f}x | " in rows["g4"])
+    assert rows["base"].endswith("| baseline's |") and f"| its own over {own} steps (peak lr" in rows["g4"]
+    assert f"{STEPS} steps per variant (the same cosine schedule), except g4 {own} steps (their own" in table
+
+
+def test_steps_of_names_a_variant_and_positive_steps() -> None:
+    module = load_bench()
+    for args, message in ((["--steps-of", "kl=5"], "--steps-of 'kl=5': give NAME=STEPS, NAME one of the variants "
+                                                   "(base, g4)"),
+                          (["--steps-of", "g4=0"], "--steps-of 'g4=0': STEPS must be a positive whole number"),
+                          (["--steps-of", "g4=-3"], "STEPS must be a positive whole number"),
+                          (["--steps-of", "g4=many"], "STEPS must be a positive whole number"),
+                          (["--steps-of", "g4=5", "--steps-of", "g4=6"], "give each variant's steps once")):
+        result = CliRunner().invoke(module.main, ["run", "--cache", str(REPO), "--out", "unused", "--steps", "3",
+                                                  "--eval-every", "1", "--variant", "base=", "--variant", "g4=",
+                                                  *args])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+
+
 def test_seed_replicates_train_the_missing_seed_runs_and_pair_them_with_the_baseline(bench: Path, baseline_cache: Path,
                                                                                     tmp_path: Path) -> None:
     # The one-seed bench's runs are the seed-0 runs of a two-seed bench (renamed as recipe_bench.py's header says);
@@ -270,11 +335,21 @@ def test_the_figures_over_seeds_pair_each_variant_with_the_baseline_at_its_finis
             # The test tau differs from the validation tau, so that the two figures cannot be mixed up unseen.
             bench.write(bench.result_path(f"{variant}@s{seed}"), {
                 "name": f"{variant}@s{seed}", "complete": True, "best_validation": figure,
-                "test": {**figure, "tau": tau / 2, "drafter": "export_best", "sequences": 3}})
-        header = {"seeds": seeds, "variants": [{"name": v, "flags": [v]} for v in variants]}
+                "test": {**figure, "tau": tau / 2, "drafter": "export_best", "sequences": 3},
+                "cost": {"train_s": tau * 100}})  # (a training time that varies too)
+        header = {"seeds": seeds,
+                  "variants": [{"name": v, "flags": [v], "steps": 3 + i} for i, v in enumerate(variants)]}
         record = module.summary(bench, header)
     for replicate in record["replicates"]:
         name = replicate["name"]
+        # Steps and training time: the mean over the variant's seeds, the ratio to the baseline's paired by seed.
+        mine_s = {s: taus[name, s] * 100 for s in seeds if (name, s) in taus}
+        base_s = {s: taus["a", s] * 100 for s in seeds if ("a", s) in taus}
+        ratios = [mine_s[s] / base_s[s] for s in mine_s if s in base_s]
+        assert replicate["steps"] == 3 + variants.index(name)
+        assert replicate["train_s"]["mean"] == (pytest.approx(statistics.mean(mine_s.values())) if mine_s else None)
+        assert replicate["train_s"]["vs_baseline"] == ({"mean": pytest.approx(statistics.mean(ratios)),
+                                                        "seeds": len(ratios)} if ratios else None)
         for figure, scale in (("best_validation", 1.0), ("test", 0.5)):
             got = replicate[figure]
             mine = {s: taus[name, s] * scale for s in seeds if (name, s) in taus}
@@ -298,7 +373,7 @@ def test_the_figures_over_seeds_pair_each_variant_with_the_baseline_at_its_finis
     assert record["best"] in means and means[record["best"]] == pytest.approx(max(means.values()))
     # The table over seeds: one row a variant, '-' for a seed not finished.
     rows = module.replicate_table(record, seeds)[4:]
-    assert len(rows) == 3 and all(row.count("|") == 9 for row in rows)
+    assert len(rows) == 3 and all(row.count("|") == 12 for row in rows)
     assert [row.split(" | ")[2].count("-") for row in rows] == [sum((v, s) not in taus for s in seeds)
                                                                 for v in variants]
 
@@ -348,7 +423,8 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
     (carried / "ce.json").write_text("{}")
     env = {**os.environ, "STUB_CALLS": str(calls), "RECIPE_BENCH": f"{sys.executable} {stub}", "OUT": str(out),
            "WORK": str(work), "SITE": str(tmp_path / "site"), "RESULTS_FROM": str(carried), "STEPS": "300",
-           "VARIANTS": "ce=--loss ce; mix25=--loss mix --kl-weight 0.25;", "SEEDS": "0, 1,2"}
+           "VARIANTS": "ce=--loss ce; mix25=--loss mix --kl-weight 0.25;", "SEEDS": "0, 1,2",
+           "VARIANT_STEPS": "mix25=710; ce=300;"}
     result = subprocess.run(["bash", "benchmarks/gpu_recipe_bench.sh"], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -358,6 +434,7 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
         "ce=--loss ce", "mix25=--loss mix --kl-weight 0.25"]
     assert args[args.index("--steps") + 1] == "300" and args[args.index("--out") + 1] == str(out / "bench")
     assert args[args.index("--seeds") + 1] == "0,1,2"
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--steps-of"] == ["mix25=710", "ce=300"]
     assert args[args.index("--live-samples") + 1] == "20" and args[args.index("--live-new-tokens") + 1] == "512"
     assert call["results_held"] == ["ce.json"]  # the carried results were there before the bench started
     assert "recipe bench done (exit 0)" in (out / "recipe_bench_stages.tsv").read_text()
@@ -454,7 +531,7 @@ def test_the_gpu_driver_makes_the_top_k_cache_from_the_carried_conversations(tmp
     assert [args[i + 1] for i, a in enumerate(args) if a == "--variant"] == [  # the default: question b, anchors
         "density6=", "fixed64=--anchor-density 1 --max-anchors 64",
         "density3=--anchor-density 0.3333 --max-anchors 100000"]
-    assert args[args.index("--steps") + 1] == "600" and "--seeds" not in args  # one run a variant unless SEEDS
+    assert args[args.index("--steps") + 1] == "600" and "--seeds" not in args and "--steps-of" not in args
     assert args[args.index("--train-flags") + 1].endswith("--attention flex --compile")  # every variant fast
     stages = (out / "recipe_bench_stages.tsv").read_text()
     assert "\tcache\n" in stages and "recipe bench done (exit 0)" in stages
