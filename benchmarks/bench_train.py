@@ -489,7 +489,7 @@ def main() -> None:
                "exact_windows": not attention_masks.BUCKET_WINDOWS, "record_at_once": args.record_at_once,
                "pinned_inputs": trainer_module.PIN_INPUTS,
                "loss_chunk_rows": loss_module.chunk_rows(int(run.config.vocab_size), device.type),
-               "adamw_fused": bool(run.optimizer.defaults.get("fused")),
+               "adamw_fused": bool(run.optimizer.param_groups[0].get("fused")),
                "inductor_split_reductions": inductor_config.split_reductions if run.options.compile else None,
                "warmup_s": warmup_s, "results": results,
                "loader_overhead": results["loader"]["step_s"] / results["memory"]["step_s"] - 1,

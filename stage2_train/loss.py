@@ -58,7 +58,9 @@ DEFAULT_CHUNK_SIZE = 1024  # rows of the LM head product per chunk on the CPU, a
 # kernel launches and one compiled call, and at 1,024 rows the SmolLM2 drafter's loss (~26K supervised positions a
 # step at --batch-tokens 49152, 26 chunks) took ~21 ms of host time a step against ~11 ms of GPU time (H200 profile
 # of 2026-12-06, benchmarks/results/h200_anchors_and_host_waits_2026-12-06): the host, not the GPU, set its pace.
-# 1 GiB: 5,120 rows for a 49K vocabulary (5 chunks), 1,024 for Qwen3's 152K (as before).
+# 1 GiB: 5,120 rows for a 49K vocabulary (6 chunks for those ~26K positions, the last padded to the full chunk
+# under --compile: ~4K rows of padding, some 1.5-2 ms of GPU a step, which pays for one compiled shape instead of
+# several), 1,024 for Qwen3's 152K (as before).
 CUDA_CHUNK_BYTES = 1 << 30
 _GAMMAS = {16: 7.0, 10: 5.0, 8: 4.0}
 

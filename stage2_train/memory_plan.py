@@ -86,7 +86,11 @@ def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:
     # DFlash 2: per convolution (two per layer) its input, each tap's shifted copy and the output.
     convs = 2 * q * h * b * (shape.conv_kernel + 2) if shape.conv_kernel else 0
     per_layer = norms + projections + grouped_keys + mask + attention_out + mlp + convs
-    loss = shape.loss_chunk * shape.vocab * fp32 * 2 + 2 * q * h * fp32
+    # One chunk of logits: the head product in the compute dtype, its float32 copy (none when the product is float32
+    # already) and one float32 temporary of that size (logsumexp's; measured on the CPU: 10 bytes a logit for the
+    # uncompiled cross-entropy in bf16, 8 for KL).
+    logit_bytes = b + fp32 + (fp32 if b < fp32 else 0)
+    loss = shape.loss_chunk * shape.vocab * logit_bytes + 2 * q * h * fp32
     # DFlash 2's selector loss: one chunk's logits (for the candidates) and its candidates' head rows at a time.
     selector = SELECTOR_CHUNK_ROWS * (shape.vocab * fp32 + 2 * shape.selector_top_k * h * b) if shape.conv_kernel else 0
     return context + shape.layers * per_layer + per_layer + loss + selector  # + one layer's gradients in backward

@@ -466,16 +466,36 @@ def cosine_with_warmup(total_steps: int, warmup_fraction: float) -> Any:
 FUSED_ADAMW = True
 
 
+def adamw_fused(device: torch.device) -> bool | None:
+    """AdamW's `fused` for a run on `device`: its fused kernel on CUDA (one launch group for every parameter instead
+    of foreach's several: the small drafter's step is host-bound, and foreach took ~2.5 ms of host time a step for
+    ~0.5 ms of kernels, H200 profile of 2026-12-06); None (torch's default) elsewhere. The same update up to float
+    rounding."""
+    return True if FUSED_ADAMW and device.type == "cuda" else None
+
+
+def keep_adamw_implementation(optimizer: Any, fused: bool | None) -> None:
+    """After a checkpoint is loaded into `optimizer` (an AdamW, or Accelerate's wrapper of one): torch's
+    `load_state_dict` takes the saved parameter groups whole, `fused` included, so a checkpoint saved by another
+    implementation (before AdamW was fused on CUDA, or on another device type) would bring its own back. Put this
+    run's back, with each step count where that implementation keeps it (fused: float32 on the parameter's device;
+    otherwise float32 on the CPU, torch's default)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for group in inner.param_groups:
+        group["fused"] = fused
+        for parameter in group["params"]:
+            state = inner.state.get(parameter)
+            if state and isinstance(state.get("step"), torch.Tensor):
+                device = parameter.device if fused else torch.device("cpu")
+                state["step"] = state["step"].to(dtype=torch.float32, device=device)
+
+
 def make_optimizer(run: TrainingRun) -> None:
     """AdamW (betas 0.9 / 0.95) and the warm-up + cosine schedule; the drafter and optimizer prepared by
     Accelerate."""
     options = run.options
-    # On CUDA the fused kernel: one launch group for every parameter instead of foreach's several, and the step is
-    # host-bound for small drafters (~2.5 ms of host time for 1.5 ms of GPU time with foreach, H200 profile of
-    # 2026-12-06). The same update up to float rounding; the CPU keeps the default implementation.
-    fused = FUSED_ADAMW and run.device.type == "cuda"
     optimizer = torch.optim.AdamW(run.model.parameters(), lr=options.lr, betas=(0.9, 0.95),
-                                  weight_decay=options.weight_decay, fused=fused or None)
+                                  weight_decay=options.weight_decay, fused=adamw_fused(run.device))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(run.total_steps, options.warmup))
     run.model, run.optimizer = run.accelerator.prepare(run.model, optimizer)
     # Not prepared: Accelerate's scheduler wrapper steps once per process, which would run the schedule world_size
@@ -507,6 +527,7 @@ def resume(run: TrainingRun) -> None:
         log.info("--resume: no checkpoint in %s, starting from scratch", run.files.checkpoints)
         return
     run.accelerator.load_state(str(latest))
+    keep_adamw_implementation(run.optimizer, adamw_fused(run.device))
     log.info("resumed from %s (step %d, epoch %d, micro-batch %d)", latest, run.state.step, run.state.epoch,
              run.state.position)
 

@@ -145,3 +145,39 @@ def test_adamw_is_fused_on_cuda_only(device_type: str, fused_setting: bool, want
                                                       register_for_checkpointing=lambda s: None))
     run_setup.make_optimizer(run)  # type: ignore[arg-type]
     assert asked == {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.0, "fused": want}
+
+
+@pytest.mark.parametrize("saved_fused,run_fused", [(None, True), (True, None)])
+def test_a_resumed_optimizer_keeps_the_runs_adamw_implementation(saved_fused: bool | None,
+                                                                 run_fused: bool | None) -> None:
+    """torch's load_state_dict brings the saved `fused` back; `keep_adamw_implementation` puts the run's back, and
+    the resumed step equals the step the saved optimizer would have made (to float rounding). On the CPU, where
+    torch has both implementations."""
+    import copy
+
+    import torch
+
+    from dflash.stage2_train.run_setup import keep_adamw_implementation
+
+    def fresh(fused: bool | None) -> tuple[torch.nn.Parameter, torch.optim.AdamW]:
+        parameter = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 6))
+        return parameter, torch.optim.AdamW([parameter], lr=1e-2, betas=(0.9, 0.95), fused=fused)
+
+    gradients = [torch.linspace(0.5, -0.3, 6) * (k + 1) for k in range(3)]
+    saved_parameter, saved = fresh(saved_fused)
+    for gradient in gradients[:2]:
+        saved_parameter.grad = gradient.clone()
+        saved.step()
+    state = copy.deepcopy(saved.state_dict())  # (a checkpoint: not the live tensors the next step updates)
+    resumed_parameter, resumed = fresh(run_fused)
+    with torch.no_grad():
+        resumed_parameter.copy_(saved_parameter)
+    resumed.load_state_dict(state)
+    assert resumed.param_groups[0]["fused"] == saved_fused  # what torch does by itself
+    keep_adamw_implementation(resumed, run_fused)
+    assert resumed.param_groups[0]["fused"] == run_fused
+    for parameter, optimizer in ((saved_parameter, saved), (resumed_parameter, resumed)):
+        parameter.grad = gradients[2].clone()
+        optimizer.step()
+    torch.testing.assert_close(resumed_parameter, saved_parameter, rtol=1e-6, atol=1e-7)
+    assert resumed.state[resumed_parameter]["step"].item() == 3.0

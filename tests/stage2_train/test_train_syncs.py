@@ -221,4 +221,4 @@ def test_to_device_pins_a_pageable_tensor_before_a_cuda_copy(monkeypatch: pytest
     assert calls == [("to", ("cuda:0", True, False))]
     calls.clear()
     trainer.to_device(torch.zeros(3), torch.device("cpu"))
-    assert calls == [("to", ("cpu", False, False))]
+    assert calls == [("to", ("cpu", True, False))]
