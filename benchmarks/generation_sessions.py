@@ -23,6 +23,7 @@ import gzip
 import json
 import os
 import sys
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
@@ -47,10 +48,13 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     try:
         with open_text(path, "r") as handle:
             for line in handle:
-                records.append(json.loads(line))
-    except (json.JSONDecodeError, OSError, EOFError) as error:  # a damaged line, a cut or damaged gzip stream
-        fail(f"{path}: line {len(records) + 1} is not a whole JSON record ({error}); restore the file from git or "
-             "from the session that wrote it")
+                record = json.loads(line)
+                if not isinstance(record, dict) or "id" not in record:
+                    raise ValueError("a record without an id")
+                records.append(record)
+    except (ValueError, OSError, EOFError, zlib.error) as error:  # a damaged line or record, a cut or damaged gzip
+        fail(f"{path}: line {len(records) + 1} is not a whole JSON record with an id ({error}); restore the file "
+             "from git or from the session that wrote it")
     return records
 
 
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "first-turns":
+        if args.max != "all" and not (args.max.isdigit() and int(args.max) > 0):
+            fail(f"--max {args.max!r}: give a positive number of conversations, or all")
         limit = None if args.max == "all" else int(args.max)
         turns, loaded = first_turns(args.data, limit)
         write_records(args.out, turns)

@@ -23,17 +23,20 @@
 # every run whose result is complete there.
 # Why seeds: the same recipe, data and seed ended at test tau 1.335 +- 0.013 on an H100 and 1.274 +- 0.011 on an
 # H200 after 600 steps (2026-12-06; benchmarks/results/h100_fast_path_and_loss_2026-12-06 `ce`,
-# h200_anchors_and_host_waits_2026-12-06 `density6`): one run per variant cannot tell apart differences below
-# ~0.06 tau. Each 600-step run takes ~170-250 s on the fast path on an H100 or H200 (measured 2026-12-06), so
+# h200_anchors_and_host_waits_2026-12-06 `density6`; another GPU, commit and cache extraction, so how much of it is
+# run-to-run noise on one GPU is not measured): one run per variant is not trusted for differences below ~0.06 tau.
+# Each 600-step run took 168-318 s on the fast path on an H100 or H200 (measured 2026-12-06; 318 s: the first run,
+# compiling cold), so
 # variants x seeds runs of ~3-4 min each: 6 runs (3 variants x 2 seeds, or 2 x 3) 17-25 min, which with the start,
 # the cache and live tau (~4-8 min) just fits one 30-minute session; 9 runs (3 x 3) need two (the second with
 # RESULTS_FROM the first's results/: it trains only what is missing).
 # Equal GPU time instead of equal steps (the product's claim is the better drafter per GPU-hour): give the faster
 # variant the steps that take the baseline's training time, from s/step measured with each variant alone on the GPU
 # (docs/benchmarks.md "The fast training path in whole runs": 0.196 s a step on the plain path, 0.083 on the fast
-# path, H100, 600 steps), e.g. plain against the fast path at 600 x 0.196 / 0.083 = 1,420 steps:
-#   VARIANTS="plain=--attention sdpa --no-compile;fixed64=--anchor-density 1 --max-anchors 64" STEPS=600
-#   VARIANT_STEPS="fixed64=1420"
+# path, H100, 600 steps), e.g. the default recipe on the plain path against the same recipe on the fast path at
+# 600 x 0.196 / 0.083 = 1,420 steps (put a recipe change in the fast variant's flags too to ask for the best recipe
+# per GPU-second; then the two changes are not told apart):
+#   VARIANTS="plain=--attention sdpa --no-compile;fast=" STEPS=600 VARIANT_STEPS="fast=1420"
 # The table's train s (every step's time, compilation included, evaluations not) and train s / baseline's columns
 # then show how equal the times came out: measured, not assumed. The fast path's compilation counts (GPU time a user
 # pays too) and the steady s/step leave it out: 94.9 s in the first 50 steps compiling cold, ~17 s from the bench's

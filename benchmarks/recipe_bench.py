@@ -22,15 +22,16 @@ variant at the first seed, then every variant at the next, so that a machine los
 comparisons); the table gives each variant's test tau and best validation tau at each seed, their mean, the
 standard deviation between seeds, and the difference to the baseline paired by seed (each seed's run minus the
 baseline's at that seed: the mean +- its standard error over seeds, and the number of seeds). The best variant is
-the one of the highest mean best validation tau over its finished seeds; live tau is measured for the baseline and
+the one of the highest mean best validation tau over the seeds every variant finished; live tau is measured for the baseline and
 the best at the first seed. Why: one run's +- is its standard error over test sequences, which leaves out how far
 training the same recipe twice varies. The same recipe, data and seed (the same loss at step 1) ended at test tau
 1.335 +- 0.013 on an H100 and 1.274 +- 0.011 on an H200 after 600 steps (2026-12-06: `ce` in
-benchmarks/results/h100_fast_path_and_loss_2026-12-06, `density6` in h200_anchors_and_host_waits_2026-12-06): GPU
-arithmetic is not repeated bit for bit (the order of floating-point sums varies), and the two trainings drifted
-apart. A single-seed
-comparison of two variants cannot be trusted below ~0.06 tau; another seed (other initial weights, another data
-order) gives a replicate whatever the device. With one seed, runs keep the variant's name and the output is as
+benchmarks/results/h100_fast_path_and_loss_2026-12-06, `density6` in h200_anchors_and_host_waits_2026-12-06), with
+another GPU, a later commit and a cache extracted again: the two trainings drifted apart within 20 steps (GPU
+arithmetic is not repeated bit for bit). How far two trainings on one GPU differ is not measured, so a single-seed
+comparison of two variants is not trusted below ~0.06 tau; another seed (other initial weights, another data order)
+gives a replicate whatever the device. With 2-3 seeds the paired standard error has 1-2 degrees of freedom: a
+difference of two of them is not a 95 % interval. With one seed, runs keep the variant's name and the output is as
 without seeds; results/NAME.json of a one-seed bench at seed K is results/NAME@sK.json of a bench with several
 (rename it, its .live.json and runs/NAME to reuse it).
 
@@ -43,7 +44,7 @@ against the fast one (docs/benchmarks.md "The fast training path in whole runs":
 an H100, so 600 x 0.196 / 0.083 = 1,420 steps):
 
     python benchmarks/recipe_bench.py run ... --steps 600 --variant plain="--attention sdpa --no-compile" \\
-        --variant fixed64="--anchor-density 1 --max-anchors 64" --steps-of fixed64=1420
+        --variant fast="" --steps-of fast=1420
 
 The step counts must come from s/step measured with each variant alone on the GPU (this bench's own table, or
 benchmarks/bench_train.py), never from runs sharing a GPU. The bench does not trust them: each run reports its
@@ -469,10 +470,15 @@ def summary(bench: Bench, header: dict[str, Any]) -> dict[str, Any]:
             if len(seeds) > 1:
                 row.update(variant=entry["name"], seed=seed)
             rows.append(row)
-    validation = {entry["name"]: [r["best_validation"]["tau"] for r in rows
+    validation = {entry["name"]: {r.get("seed", seeds[0]): r["best_validation"]["tau"] for r in rows
                                   if r.get("variant", r["name"]) == entry["name"] and r.get("complete")
-                                  and r["best_validation"] is not None] for entry in header["variants"]}
-    means = {name: statistics.fmean(taus) for name, taus in validation.items() if taus}
+                                  and r["best_validation"] is not None} for entry in header["variants"]}
+    # The best by its mean over the seeds every variant finished (one lucky seed that the others lack cannot win);
+    # over each variant's own seeds while no seed is common to all of them.
+    finished = [set(taus) for taus in validation.values() if taus]
+    common = set.intersection(*finished) if finished else set()
+    means = {name: statistics.fmean(tau for seed, tau in taus.items() if not common or seed in common)
+             for name, taus in validation.items() if taus and (not common or common & set(taus))}
     best = max(means, key=lambda name: means[name]) if means else None
     baseline = header["variants"][0]["name"]
     record = {**header, "baseline": baseline, "best": best, "results": rows}
