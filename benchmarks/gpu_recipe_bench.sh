@@ -12,7 +12,12 @@
 #
 # Settings (environment): VARIANTS ("NAME=FLAGS;NAME=FLAGS;...", the first the baseline; default: the issue's
 # question b, anchors per sequence: the default density 1/6 (capped at 512), 64 a sequence (every anchor position up
-# to 64), density 1/3 uncapped; question a, the loss, was answered on 2026-12-06), STEPS (600), VARIANT_STEPS
+# to 64), density 1/3 uncapped; question a, the loss, was answered on 2026-12-06; b was asked once at one seed the
+# same day and waits for its seeds), the other questions as variants:
+#   c, target-initialised layers:  "random=;last=--init-from-target last;first=--init-from-target first"
+#   d, learning rate:              "lr1e-3=;lr2e-3=--lr 2e-3;lr5e-4=--lr 5e-4" (epochs: STEPS, or VARIANT_STEPS)
+#   the loss's second mix weight:  "ce=;mix25=--loss mix --kl-weight 0.25"
+# STEPS (600), VARIANT_STEPS
 # ("NAME=STEPS;NAME=STEPS": those variants train their own number of steps instead, each its own cosine schedule
 # over its own length: recipe_bench.py --steps-of; the equal-time comparison below), EVAL_EVERY (200),
 # TRAIN_FLAGS (every variant's flags), UNTIMED_STEPS (50), SEEDS ("0,1,2": every variant trained once per seed,
