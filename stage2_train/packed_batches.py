@@ -216,7 +216,8 @@ def split_packed_batch(batch: dict[str, Any], ranges: Sequence[tuple[int, int]],
         num_blocks = bucket(blocks, 8)
 
         def padded(values: Tensor, size: int, fill: int = 0) -> Tensor:
-            out = torch.full((size, *values.shape[1:]), fill, dtype=values.dtype)
+            # pinned like the loader's batch (on CUDA), so that the trainer copies the part to the device at once
+            out = torch.full((size, *values.shape[1:]), fill, dtype=values.dtype, pin_memory=values.is_pinned())
             out[: len(values)] = values
             return out
 

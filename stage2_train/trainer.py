@@ -176,8 +176,8 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
     then waits for every step queued before it. The layout, labels and label positions the trainer builds on the
     CPU are such copies (~0.2-0.4 MB each at --batch-tokens 49152), so they are pinned first (PyTorch's caching host
     allocator reuses the pinned blocks; a copy from pinned memory is queued like a kernel). The loader's own
-    tensors (features, scales) arrive pinned already (`make_loader`), unless the memory plan split the batch
-    (`split_packed_batch` builds the parts anew: pinned here, a second host copy of their features)."""
+    tensors (features, scales) arrive pinned already (`make_loader`; `split_packed_batch` keeps a split batch's
+    parts pinned)."""
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device, non_blocking=True)
     if PIN_INPUTS and not tensor.is_pinned():
