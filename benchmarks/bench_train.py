@@ -334,19 +334,17 @@ def main() -> None:
                                              micro_batches, step_batches, update_weights)
 
     import dflash.stage2_train.attention_masks as attention_masks
-
+    import dflash.stage2_train.loss as loss_module
+    import dflash.stage2_train.run_setup as run_setup_module
     import dflash.stage2_train.trainer as trainer_module
 
+    # The step as it was before each change, to compare: module switches the code reads when it runs.
     if args.exact_windows:
         attention_masks.BUCKET_WINDOWS = False
     if args.pageable_inputs:
         trainer_module.PIN_INPUTS = False
-    import dflash.stage2_train.loss as loss_module
-
     if args.small_loss_chunks:
         loss_module.CUDA_CHUNK_BYTES = 0
-    import dflash.stage2_train.run_setup as run_setup_module
-
     if args.foreach_adamw:
         run_setup_module.FUSED_ADAMW = False
     if args.sdpa_backends:
