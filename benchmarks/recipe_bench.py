@@ -470,9 +470,9 @@ def summary(bench: Bench, header: dict[str, Any]) -> dict[str, Any]:
             if len(seeds) > 1:
                 row.update(variant=entry["name"], seed=seed)
             rows.append(row)
-    validation = {entry["name"]: {r.get("seed", seeds[0]): r["best_validation"]["tau"] for r in rows
-                                  if r.get("variant", r["name"]) == entry["name"] and r.get("complete")
-                                  and r["best_validation"] is not None} for entry in header["variants"]}
+    validation = {entry["name"]: {seed: run["tau"] for seed, run in
+                                  figure_by_seed(rows, entry["name"], "best_validation", seeds[0]).items()}
+                  for entry in header["variants"]}
     # The best by its mean over the seeds every variant finished (one lucky seed that the others lack cannot win);
     # over each variant's own seeds while no seed is common to all of them.
     finished = [set(taus) for taus in validation.values() if taus]
@@ -485,6 +485,14 @@ def summary(bench: Bench, header: dict[str, Any]) -> dict[str, Any]:
     if len(seeds) > 1:
         record["replicates"] = replicates(rows, header["variants"], baseline)
     return record
+
+
+def figure_by_seed(rows: list[dict[str, Any]], variant: str, figure: str,
+                   first_seed: int | None = None) -> dict[int, dict[str, Any]]:
+    """Seed -> `figure` ("test", "best_validation") of every finished run of `variant` that has it (the rows of a
+    one-seed bench name neither variant nor seed: their run's name is the variant's, their seed `first_seed`)."""
+    return {r.get("seed", first_seed): r[figure] for r in rows
+            if r.get("variant", r["name"]) == variant and r.get("complete") and r.get(figure) is not None}
 
 
 def train_seconds(result: dict[str, Any]) -> float | None:
@@ -503,16 +511,12 @@ def replicates(rows: list[dict[str, Any]], variants: list[dict[str, Any]], basel
     deviation between seeds, and the difference to the baseline paired by seed (the variant's run minus the
     baseline's at the same seed: their mean, its standard error over seeds, and the number of seeds paired); and
     its steps and training time (mean over its seeds, and its ratio to the baseline's paired by seed)."""
-    def finished(variant: str, figure: str) -> dict[int, dict[str, Any]]:  # seed -> the run's figure
-        return {r["seed"]: r[figure] for r in rows
-                if r["variant"] == variant and r.get("complete") and r.get(figure) is not None}
-
     def trained(variant: str) -> dict[int, float]:  # seed -> the run's training seconds
         return {r["seed"]: seconds for r in rows if r["variant"] == variant
                 and (seconds := train_seconds(r)) is not None}
 
     figures = ("test", "best_validation")
-    base = {figure: finished(baseline, figure) for figure in figures}
+    base = {figure: figure_by_seed(rows, baseline, figure) for figure in figures}
     base_seconds = trained(baseline)
     out = []
     for entry in variants:
@@ -523,7 +527,7 @@ def replicates(rows: list[dict[str, Any]], variants: list[dict[str, Any]], basel
             "train_s": {"mean": statistics.fmean(seconds.values()) if seconds else None,
                         "vs_baseline": {"mean": statistics.fmean(ratios), "seeds": len(ratios)} if ratios else None}}
         for figure in figures:
-            by_seed = finished(entry["name"], figure)
+            by_seed = figure_by_seed(rows, entry["name"], figure)
             values = list(by_seed.values())
             paired = [by_seed[seed]["tau"] - base[figure][seed]["tau"] for seed in by_seed if seed in base[figure]]
             record[figure] = {
