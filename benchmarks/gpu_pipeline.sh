@@ -402,7 +402,7 @@ EOF
         python3 -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")' |
             tee -a "$OUT/timings.tsv"
         timed bench_specforge timeout 300 python3 benchmarks/bench_specforge.py --out "$OUT" --steps 8 --profile 3
-        for variant in flex_compile flex; do
+        for variant in ${QWEN_VARIANTS:-flex_compile flex}; do  # QWEN_VARIANTS=flex_compile: the compiled step only
             compile=$([[ $variant == *_compile ]] && echo --compile)
             # shellcheck disable=SC2086
             timed "bench_train_$variant" timeout 360 python3 benchmarks/bench_train.py --attention flex $compile \
