@@ -11,9 +11,10 @@
 #                                                  caches; prints the bench's table and the last lines of its log
 #
 # Settings (environment): VARIANTS ("NAME=FLAGS;NAME=FLAGS;...", the first the baseline; default: the issue's
-# question b, anchors per sequence: the default density 1/6 (capped at 512), 64 a sequence (every anchor position up
-# to 64), density 1/3 uncapped; question a, the loss, was answered on 2026-12-06; b was asked once at one seed the
-# same day and waits for its seeds), the other questions as variants:
+# question c, target-initialised layers; questions a, the loss, and b, anchors per sequence, were answered on
+# 2026-12-06, b over seeds 0-2: 64 a sequence is the default since, and
+#   b, anchors per sequence:       "density6=--anchor-density 0.1667 --max-anchors 512;fixed64=" (SEEDS=0,1,2)
+# asks it again), the other questions as variants:
 #   c, target-initialised layers:  "random=;last=--init-from-target last;first=--init-from-target first"
 #   d, learning rate:              "lr1e-3=;lr2e-3=--lr 2e-3;lr5e-4=--lr 5e-4" (epochs: STEPS, or VARIANT_STEPS)
 #   the loss's second mix weight:  "ce=;mix25=--loss mix --kl-weight 0.25"
@@ -26,10 +27,9 @@
 # LIVE_TOKENS (512), LIVE_FLAGS, and RESULTS_FROM: a folder of an earlier bench's results/*.json (carried in the
 # tree, e.g. from a lost machine's state.tgz): they are copied into $OUT/bench/results first, and the bench skips
 # every run whose result is complete there.
-# Why seeds: the same recipe, data and seed ended at test tau 1.335 +- 0.013 on an H100 and 1.274 +- 0.011 on an
-# H200 after 600 steps (2026-12-06; benchmarks/results/h100_fast_path_and_loss_2026-12-06 `ce`,
-# h200_anchors_and_host_waits_2026-12-06 `density6`; another GPU, commit and cache extraction, so how much of it is
-# run-to-run noise on one GPU is not measured): one run per variant is not trusted for differences below ~0.06 tau.
+# Why seeds: one recipe's test tau after 600 steps spread with a standard deviation of 0.033-0.066 over seeds 0-2,
+# 3-5x one run's standard error over test sequences (2026-12-06, benchmarks/results/
+# h100_anchor_seeds_and_specforge_2026-12-06): a difference between variants is the paired one over seeds.
 # Each 600-step run took 168-318 s on the fast path on an H100 or H200 (measured 2026-12-06; 318 s: the first run,
 # compiling cold), so
 # variants x seeds runs of ~3-4 min each: 6 runs (3 variants x 2 seeds, or 2 x 3) 17-25 min, which with the start,
@@ -101,7 +101,7 @@ if [ "${1:-}" = pack ]; then
     tail -n 5 "$BENCH/bench.log" "$OUT/recipe_bench_stages.tsv" 2>/dev/null
     exit 0
 fi
-VARIANTS=${VARIANTS:-"density6=;fixed64=--anchor-density 1 --max-anchors 64;density3=--anchor-density 0.3333 --max-anchors 100000"}
+VARIANTS=${VARIANTS:-"random=;last=--init-from-target last;first=--init-from-target first"}
 STEPS=${STEPS:-600}
 EVAL_EVERY=${EVAL_EVERY:-200}
 # The packed recipe of the 2026-12-05 H100 run (about 30 sequences a step), learning rate 1e-3 as every GPU run so far,

@@ -24,13 +24,10 @@ standard deviation between seeds, and the difference to the baseline paired by s
 baseline's at that seed: the mean +- its standard error over seeds, and the number of seeds). The best variant is
 the one of the highest mean best validation tau over the seeds every variant finished; live tau is measured for the baseline and
 the best at the first seed. Why: one run's +- is its standard error over test sequences, which leaves out how far
-training the same recipe twice varies. The same recipe, data and seed (the same loss at step 1) ended at test tau
-1.335 +- 0.013 on an H100 and 1.274 +- 0.011 on an H200 after 600 steps (2026-12-06: `ce` in
-benchmarks/results/h100_fast_path_and_loss_2026-12-06, `density6` in h200_anchors_and_host_waits_2026-12-06), with
-another GPU, a later commit and a cache extracted again: the two trainings drifted apart within 20 steps (GPU
-arithmetic is not repeated bit for bit). How far two trainings on one GPU differ is not measured, so a single-seed
-comparison of two variants is not trusted below ~0.06 tau; another seed (other initial weights, another data order)
-gives a replicate whatever the device. With 2-3 seeds the paired standard error has 1-2 degrees of freedom: a
+training the same recipe twice varies: over seeds 0-2 one recipe's test tau after 600 steps spread with a
+standard deviation of 0.033-0.066, 3-5x a run's standard error (2026-12-06, benchmarks/results/
+h100_anchor_seeds_and_specforge_2026-12-06; the seed draws the initial weights, the data order, the anchors and the
+split). With 2-3 seeds the paired standard error has 1-2 degrees of freedom: a
 difference of two of them is not a 95 % interval. With one seed, runs keep the variant's name and the output is as
 without seeds; results/NAME.json of a one-seed bench at seed K is results/NAME@sK.json of a bench with several
 (rename it, its .live.json and runs/NAME to reuse it).

@@ -48,11 +48,11 @@ from pathlib import Path
 
 from dflash.shared.feature_codecs import codec
 from dflash.shared.target_layers import default_layer_ids
-from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY
+from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY, DEFAULT_MAX_ANCHORS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
-MAX_ANCHORS = 512
+MAX_ANCHORS = DEFAULT_MAX_ANCHORS  # the trainer's defaults (A and D); the benchmark's own rule is 512, every candidate
 CAPTURED_LAYERS = 5
 TOKEN_ARRAY_BYTES = 4 + 1  # input_ids int32 + loss_mask uint8, per token
 SAMPLE_ARRAY_BYTES = 8 + 8  # offsets + sample_index int64, per sample (sample_id strings not counted)

@@ -531,9 +531,8 @@ def test_the_gpu_driver_makes_the_top_k_cache_from_the_carried_conversations(tmp
         "c0", "c1", "c2"]
     args = json.loads((tmp_path / "calls.json").read_text())["args"]
     assert args[args.index("--cache") + 1] == str(work / "cache_fp8")
-    assert [args[i + 1] for i, a in enumerate(args) if a == "--variant"] == [  # the default: question b, anchors
-        "density6=", "fixed64=--anchor-density 1 --max-anchors 64",
-        "density3=--anchor-density 0.3333 --max-anchors 100000"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--variant"] == [  # the default: question c
+        "random=", "last=--init-from-target last", "first=--init-from-target first"]
     assert args[args.index("--steps") + 1] == "600" and "--seeds" not in args and "--steps-of" not in args
     assert args[args.index("--train-flags") + 1].endswith("--attention flex --compile")  # every variant fast
     stages = (out / "recipe_bench_stages.tsv").read_text()

@@ -107,7 +107,8 @@ def test_reference_rows_reproduce_the_measurements(rates) -> None:  # type: igno
         attention_rates = sizing.load_rates(RESULTS, attention)
         recipe = sizing.default_data(attention_rates, [])[-1]
         assert recipe.samples == 800_000 and recipe.mean_length == train["length"]
-        hours = sizing.size(q, recipe, attention_rates, density=None).train_h  # the benchmark's rule: 512 anchors
+        # the benchmark's rule: every candidate up to 512 anchors
+        hours = sizing.size(q, recipe, attention_rates, anchors=train["anchors"], density=None).train_h
         assert hours * 3600 == pytest.approx(800_000 / train["results"]["loader"]["samples_per_s"], rel=1e-9)
     assert sizing.drafter_trainable(q) == pytest.approx(train["trainable_params"], rel=1e-3)
 
@@ -142,11 +143,16 @@ def test_training_pays_for_the_drawn_anchors_only(rates) -> None:  # type: ignor
     layer, head = 6 * 5 * q.layer_params * 16, 4 * q.vocab * q.hidden * 15
     fc = lambda length: 4 * 5 * q.hidden * q.hidden * length  # noqa: E731
     # 800 tokens, half supervised: 399 candidates, ceil(399 / 6) = 67 anchors; 400 tokens: ceil(199 / 6) = 34
-    assert sizing.train_flops_per_sample(q, 800, 0.5) == pytest.approx(67 * (layer + head) + fc(800), rel=1e-12)
-    assert sizing.train_flops_per_sample(q, 400, 0.5) == pytest.approx(34 * (layer + head) + fc(400), rel=1e-12)
+    for length, anchors in ((800, 67), (400, 34)):
+        assert sizing.train_flops_per_sample(q, length, 0.5, anchors=512, density=1 / 6) == pytest.approx(
+            anchors * (layer + head) + fc(length), rel=1e-12)
+    # the trainer's defaults (every candidate, at most 64): 64 of 399, all 49 of a 100-token sample's candidates
+    assert sizing.train_flops_per_sample(q, 800, 0.5) == pytest.approx(64 * (layer + head) + fc(800), rel=1e-12)
+    assert sizing.train_flops_per_sample(q, 100, 0.5) == pytest.approx(49 * (layer + head) + fc(100), rel=1e-12)
     # the cap binds on long answers; every candidate (the reference's rule) up to it without a density
-    assert sizing.anchors_per_sample(3072, 1.0, density=1.0) == 512
-    assert sizing.anchors_per_sample(400, 0.5, density=None) == 199
+    assert sizing.anchors_per_sample(3072, 1.0, density=1.0, max_anchors=512) == 512
+    assert sizing.anchors_per_sample(3072, 1.0) == 64
+    assert sizing.anchors_per_sample(400, 0.5, density=None, max_anchors=512) == 199
     assert sizing.train_flops_per_sample(q, 800, 0.5, anchors=32) == pytest.approx(32 * (layer + head) + fc(800))
 
 
@@ -187,7 +193,8 @@ def test_flop_models_agree_with_the_benchmarks_fuller_counts() -> None:
     train = json.loads((RESULTS / "train_qwen3-8b_flex_cuda.json").read_text())
     loader = train["results"]["loader"]
     counted = loader["tflops"] * 1e12 * loader["step_s"] / train["batch"]  # FLOPs per sample, bench's count
-    ours = sizing.train_flops_per_sample(q, train["length"], (train["length"] - 64) / train["length"], density=None)
+    ours = sizing.train_flops_per_sample(q, train["length"], (train["length"] - 64) / train["length"],
+                                         anchors=train["anchors"], density=None)
     assert 0.9 < ours / counted < 1.0, ours / counted
 
 
