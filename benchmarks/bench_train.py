@@ -12,9 +12,10 @@ convolutions and path selector not counted). Results: train_NAME.json, NAME = MO
 
 Both modes then time --steps more loader steps phase by phase, the device synchronised after each (so slower than
 the timed step; the phases add up to it): waiting for the loader batch, the micro-batches' inputs
-(`micro_batch_inputs`: layout and labels on the CPU, host-to-device copy, feature decode), the drafter's forward
-(attention masks built in it), the objective, DFlash 2's selector loss, backward, and `update_weights` (clip,
-AdamW, schedule, the step's metrics record, read at once). --profile N profiles N in-memory steps (time by category, top kernels).
+(`micro_batch_inputs`: host-to-device copy of the layout and labels the loader's workers built, or built there
+with --inputs-in-main; feature decode), the drafter's forward (attention masks built in it), the objective,
+DFlash 2's selector loss, backward, and `update_weights` (clip, AdamW, schedule, the step's metrics record, read at
+once). --profile N profiles N in-memory steps (time by category, top kernels).
 
 Random cache (the default):
 A cache of random features (real cache format, written by the stage-1 writer) for a Qwen3-8B-shaped target:
@@ -314,6 +315,10 @@ def main() -> None:
     parser.add_argument("--pageable-inputs", action="store_true",
                         help="copy the inputs built on the CPU to the GPU from pageable memory (the code before "
                              "trainer.to_device pinned them; such a copy may wait for the device), to compare")
+    parser.add_argument("--inputs-in-main", action="store_true",
+                        help="build each micro-batch's layout, labels, label positions and top-k rows in the main "
+                             "process (the code before the loader's workers built them: "
+                             "run_setup.STEP_INPUTS_IN_WORKERS), to compare")
     parser.add_argument("--foreach-adamw", action="store_true",
                         help="AdamW's default (foreach) implementation on CUDA too (the code before "
                              "run_setup.FUSED_ADAMW), to compare")
@@ -347,6 +352,8 @@ def main() -> None:
         loss_module.CUDA_CHUNK_BYTES = 0
     if args.foreach_adamw:
         run_setup_module.FUSED_ADAMW = False
+    if args.inputs_in_main:
+        run_setup_module.STEP_INPUTS_IN_WORKERS = False
     if args.sdpa_backends:
         # Process-wide switches, set for the whole run (not `sdpa_kernel(...).__enter__()` on a temporary: its
         # generator is collected at once and restores every backend, which voided the first measurement).
@@ -486,6 +493,7 @@ def main() -> None:
                                          "math": torch.backends.cuda.math_sdp_enabled()},
                "exact_windows": not attention_masks.BUCKET_WINDOWS, "record_at_once": args.record_at_once,
                "pinned_inputs": trainer_module.PIN_INPUTS,
+               "inputs_in_workers": run_setup_module.STEP_INPUTS_IN_WORKERS,
                "loss_chunk_rows": loss_module.chunk_rows(int(run.config.vocab_size), device.type),
                "adamw_fused": bool(run.optimizer.param_groups[0].get("fused")),
                "inductor_split_reductions": inductor_config.split_reductions if run.options.compile else None,

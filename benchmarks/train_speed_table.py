@@ -24,6 +24,8 @@ def row_label(summary: dict) -> str:
         parts.append("split reductions off")
     if summary.get("record_at_once"):
         parts.append("record read every step")
+    if summary.get("inputs_in_workers") is False:
+        parts.append("inputs built in the main process")
     return "; ".join(p for p in parts if p)
 
 

@@ -8,8 +8,10 @@ positions start + w, start + w + k, ..., which PyTorch's in-order round-robin me
 
 What the trainer takes from a packed batch: its `PackedLayout` (`packed_layout`), the labels and block inputs of the
 DFlash objective (`packed_block_labels`, the reference's rule: z-lab/dflash), the target's top-k at the label
-positions (`packed_block_topk`), and, when a step does not fit in memory, the same batch cut into smaller ones
-(`split_packed_batch`, `sequence_blocks`).
+positions (`packed_block_topk`), all of it together as `packed_step_inputs`, which the loader's workers add to each
+batch (key STEP_INPUTS, when `CacheBatches` is given the block size and mask token) so that the training loop's
+process only copies them to the device; and, when a step does not fit in memory, the same batch cut into smaller
+ones (`split_packed_batch`, `sequence_blocks`), whose parts the trainer builds those inputs for itself.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ from dflash.shared.feature_codecs import manifest_codec
 from dflash.stage2_train.attention_masks import PackedLayout
 from dflash.stage2_train.cache_index import Sample, ShardStore, check_seed, shard_error
 from dflash.stage2_train.epoch_plan import AnchorRule, sample_anchors
-from dflash.stage2_train.loss import IGNORE_INDEX
+from dflash.stage2_train.loss import IGNORE_INDEX, supervised_index
 from dflash.stage2_train.shape_buckets import DEFAULT_BUCKET_MULTIPLE, bucket
+
+# The key of a packed batch's `packed_step_inputs`, where `CacheBatches` was given the block size and mask token.
+STEP_INPUTS = "step_inputs"
 
 
 def _read_into(array: Any, start: int, end: int, out: np.ndarray) -> None:
@@ -67,15 +72,21 @@ class CacheBatches(IterableDataset):
     position (int: the micro-batch's index in this rank's plan). Anchors: `sample_anchors` with `rule`. A cache with
     the target's top-k adds topk_ids int32 [C, K] and topk_logprobs float16 [C, K]: at each supervised position
     (`cache_format.topk_positions`) the target's prediction for the token there, zeros elsewhere; `read_topk=False`
-    leaves them unread (an objective that does not use them).
+    leaves them unread (an objective that does not use them). Given the drafter's `block_size` and `mask_token_id`,
+    each item also holds the trainer's inputs built from it, `packed_step_inputs`, under STEP_INPUTS: built in the
+    DataLoader worker, off the training loop's process.
     """
 
     def __init__(self, cache_dir: Path | str, plan: Sequence[Sequence[Sample]], start: int = 0, *, epoch: int,
                  seed: int, rule: AnchorRule | None = None, bucket_multiple: int = DEFAULT_BUCKET_MULTIPLE,
-                 read_topk: bool = True) -> None:
+                 read_topk: bool = True, block_size: int | None = None, mask_token_id: int | None = None) -> None:
         super().__init__()
         if not 0 <= start <= len(plan):
             raise ValueError(f"start={start} outside 0..{len(plan)}")
+        if (block_size is None) != (mask_token_id is None):
+            raise ValueError("give both block_size and mask_token_id (the step inputs need both), or neither")
+        self.block_size = None if block_size is None else int(block_size)
+        self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
         self.cache_dir = Path(cache_dir).resolve()
         self.epoch, self.seed = int(epoch), check_seed(seed)
         self.start = int(start)
@@ -180,6 +191,9 @@ class CacheBatches(IterableDataset):
             batch["feature_scales"] = scales
         if topk is not None:
             batch["topk_ids"], batch["topk_logprobs"] = torch.from_numpy(topk[0]), torch.from_numpy(topk[1])
+        if self.block_size is not None:
+            assert self.mask_token_id is not None
+            batch[STEP_INPUTS] = packed_step_inputs(batch, self.block_size, self.mask_token_id)
         return batch
 
 
@@ -201,7 +215,9 @@ def _read_topk(store: ShardStore, row: int, loss_mask: np.ndarray, ids_out: np.n
 def split_packed_batch(batch: dict[str, Any], ranges: Sequence[tuple[int, int]],
                        bucket_multiple: int = DEFAULT_BUCKET_MULTIPLE) -> list[dict[str, Any]]:
     """A packed batch from `CacheBatches` cut into the packed batches of the sequence ranges [a, b) (consecutive,
-    covering every sequence): the same samples, anchors and order, re-padded to their own buckets."""
+    covering every sequence): the same samples, anchors and order, re-padded to their own buckets. A part is built
+    key by key and never carries the whole batch's STEP_INPUTS (they describe the whole; the trainer builds each
+    part's own); one range returns the batch itself, with them."""
     if len(ranges) == 1:
         return [batch]
     lengths, starts = batch["lengths"], batch["context_starts"]
@@ -246,15 +262,21 @@ def sequence_blocks(batch: dict[str, Any]) -> np.ndarray:
     return counts.numpy()
 
 
-def packed_layout(batch: dict[str, Any], block_size: int) -> PackedLayout:
-    """The `PackedLayout` of a packed batch from `CacheBatches` (on the batch's device)."""
-    lengths, starts = batch["lengths"], batch["context_starts"]
+def packed_layout(batch: dict[str, Any], block_size: int, inputs: dict[str, Tensor] | None = None) -> PackedLayout:
+    """The `PackedLayout` of a packed batch from `CacheBatches` (on the batch's device); with the batch's
+    `packed_step_inputs`, their layout tensors instead of computing them again."""
     width = int(batch["input_ids"].shape[0])
-    positions = torch.arange(width, device=lengths.device)
-    sequence_of = torch.bucketize(positions, starts[1:], right=True) if len(starts) > 1 else torch.zeros_like(positions)
-    inside = positions < (starts[-1] + lengths[-1])
-    context_positions = torch.where(inside, positions - starts[sequence_of], torch.zeros_like(positions))
-    return PackedLayout(block_anchor=batch["block_anchor"], block_context_start=starts[batch["block_sequence"]],
+    if inputs is not None:
+        context_positions, block_context_start = inputs["context_positions"], inputs["block_context_start"]
+    else:
+        lengths, starts = batch["lengths"], batch["context_starts"]
+        positions = torch.arange(width, device=lengths.device)
+        sequence_of = (torch.bucketize(positions, starts[1:], right=True) if len(starts) > 1
+                       else torch.zeros_like(positions))
+        inside = positions < (starts[-1] + lengths[-1])
+        context_positions = torch.where(inside, positions - starts[sequence_of], torch.zeros_like(positions))
+        block_context_start = starts[batch["block_sequence"]]
+    return PackedLayout(block_anchor=batch["block_anchor"], block_context_start=block_context_start,
                         block_valid=batch["block_valid"], context_positions=context_positions, context_len=width,
                         block_size=block_size)
 
@@ -292,3 +314,20 @@ def packed_block_topk(batch: dict[str, Any], layout: PackedLayout) -> tuple[Tens
         return None
     at, _ = _block_positions(batch, layout)
     return batch["topk_ids"][at][None], batch["topk_logprobs"][at][None]
+
+
+def packed_step_inputs(batch: dict[str, Any], block_size: int, mask_token_id: int) -> dict[str, Tensor]:
+    """Everything the trainer builds from a packed batch before copying it to the device, as a plain dict of
+    tensors (DataLoader's pin_memory pins a dict's tensors, not a dataclass's): the `PackedLayout`'s own tensors
+    context_positions [C] and block_context_start [N] (its block_anchor and block_valid are the batch's;
+    `packed_layout(batch, block_size, inputs)` puts it together), labels and block_ids [1, N, Bk]
+    (`packed_block_labels`), label_index (`loss.supervised_index` of the labels) and, for a batch with the
+    target's top-k, topk_ids and topk_logprobs [1, N, Bk, K] (`packed_block_topk`)."""
+    layout = packed_layout(batch, block_size)
+    labels, block_ids = packed_block_labels(batch, layout, mask_token_id)
+    inputs = {"context_positions": layout.context_positions, "block_context_start": layout.block_context_start,
+              "labels": labels, "block_ids": block_ids, "label_index": supervised_index(labels)}
+    topk = packed_block_topk(batch, layout)
+    if topk is not None:
+        inputs["topk_ids"], inputs["topk_logprobs"] = topk
+    return inputs

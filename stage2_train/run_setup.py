@@ -56,6 +56,13 @@ class TrainState:
         self.step, self.epoch, self.position = int(state["step"]), int(state["epoch"]), int(state["position"])
 
 
+# Whether the loader's workers build each batch's step inputs (layout, labels, label positions, top-k rows:
+# `packed_batches.packed_step_inputs`), so that the training loop's process only copies them to the device; False
+# leaves them to `trainer.micro_batch_inputs` in the main process, as before, for benchmarks/bench_train.py
+# --inputs-in-main to compare.
+STEP_INPUTS_IN_WORKERS = True
+
+
 @dataclass
 class TrainingRun:
     """Everything the loop needs, made once by `setup_run`."""
@@ -117,11 +124,15 @@ class TrainingRun:
         return len(plan if plan is not None else self.plan(epoch)) // (self.world * self.options.grad_accum)
 
     def loader(self, epoch: int, position: int, plan: list[Any] | None = None) -> Any:
-        """This rank's micro-batches of `epoch` from plan position `position` on (CPU tensors)."""
+        """This rank's micro-batches of `epoch` from plan position `position` on (CPU tensors), each with the
+        trainer's inputs built from it in the loader's workers (`packed_batches.packed_step_inputs`; unless
+        STEP_INPUTS_IN_WORKERS is off)."""
         plan = plan if plan is not None else self.plan(epoch)
+        step_inputs = ({"block_size": self.options.block_size, "mask_token_id": self.mask_token_id}
+                       if STEP_INPUTS_IN_WORKERS else {})
         dataset = CacheBatches(self.cache, rank_plan(plan, self.rank, self.world), start=position, epoch=epoch,
                                seed=self.options.seed, rule=self.anchor_rule, bucket_multiple=self.bucket_multiple,
-                               read_topk=self.options.loss in NEEDS_TARGET_TOPK)
+                               read_topk=self.options.loss in NEEDS_TARGET_TOPK, **step_inputs)
         return make_loader(dataset, self.options.num_workers)
 
     def whole_drafter(self) -> DFlashDraftModel | None:

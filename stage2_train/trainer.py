@@ -31,10 +31,10 @@ from dflash.stage2_train.draft_attention import uncompiled_sdpa
 from dflash.stage2_train.eval_set import eval_sequences
 from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.export import export_draft, load_draft
-from dflash.stage2_train.loss import selector_loss, supervised_index, weight_sum
+from dflash.stage2_train.loss import selector_loss, weight_sum
 from dflash.stage2_train.memory_plan import GIB, measured_peak_bytes
 from dflash.stage2_train.objective import MicroBatch
-from dflash.stage2_train.packed_batches import (packed_block_labels, packed_block_topk, packed_layout, sequence_blocks,
+from dflash.stage2_train.packed_batches import (STEP_INPUTS, packed_layout, packed_step_inputs, sequence_blocks,
                                                 split_packed_batch)
 from dflash.stage2_train.packed_loader import start_loader, stop_loader
 from dflash.stage2_train.run_setup import TrainingRun, TrainOptions, setup_run
@@ -173,11 +173,13 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
 
     CUDA copies from pageable host memory go through the driver's staging buffer, and for copies larger than a few
     tens of KB the driver may synchronise with the stream first (CUDA's "API synchronization behavior"): the host
-    then waits for every step queued before it. The layout, labels and label positions the trainer builds on the
-    CPU are such copies (~0.2-0.4 MB each at --batch-tokens 49152), so they are pinned first (PyTorch's caching host
-    allocator reuses the pinned blocks; a copy from pinned memory is queued like a kernel). The loader's own
-    tensors (features, scales) arrive pinned already (`make_loader`; `split_packed_batch` keeps a split batch's
-    parts pinned)."""
+    then waits for every step queued before it. The layout, labels, label positions and top-k rows of a micro-batch
+    are such copies (~0.2-0.4 MB each at --batch-tokens 49152): the loader's workers build them
+    (`packed_batches.packed_step_inputs`) and its pin_memory thread pins them with the rest of the batch (features,
+    scales: `make_loader`; `split_packed_batch` keeps a split batch's parts pinned); what is still pageable here,
+    the inputs built in this process for a part of a split batch (or for a loader not given the block size), is
+    pinned first (PyTorch's caching host allocator reuses the pinned blocks; a copy from pinned memory is queued
+    like a kernel)."""
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device, non_blocking=True)
     if PIN_INPUTS and not tensor.is_pinned():
@@ -187,24 +189,27 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
 
 def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
                        feature_transform: FeatureTransform | None = None) -> MicroBatch:
-    """A packed loader batch (CPU) -> the micro-batch on the device: layout and labels built on the CPU, features
-    decoded on the device (after a copy of the stored bytes only); every copy queued without a host wait
-    (`to_device`)."""
+    """A packed loader batch (CPU) -> the micro-batch on the device: its layout, labels, label positions and top-k
+    (`packed_step_inputs`) as the loader's workers built them, or built here where the batch has none (a part of a
+    split batch, a loader not given the block size); features decoded on the device (after a copy of the stored
+    bytes only); every copy queued without a host wait (`to_device`)."""
     device = run.device
-    layout = packed_layout(batch, run.options.block_size)
-    labels, block_ids = packed_block_labels(batch, layout, run.mask_token_id)
+    inputs = batch.get(STEP_INPUTS)
+    if inputs is None:
+        inputs = packed_step_inputs(batch, run.options.block_size, run.mask_token_id)
+    layout = packed_layout(batch, run.options.block_size, inputs)
     scales = batch.get("feature_scales")
     features = run.codec.decode(to_device(batch["features"], device),
                                 None if scales is None else to_device(scales, device), run.compute_dtype)
     if feature_transform is not None:
         features = feature_transform(features)
-    topk = packed_block_topk(batch, layout)  # the target's top-k of each label position, where the cache has it
-    topk_ids, topk_logprobs = (None, None) if topk is None else (to_device(t, device) for t in topk)
-    device_layout = layout.map_tensors(lambda tensor: to_device(tensor, device))
-    return MicroBatch(features=features[None], block_ids=to_device(block_ids, device),
-                      labels=to_device(labels, device), layout=device_layout,
+    topk_ids, topk_logprobs = (to_device(inputs[name], device) if name in inputs else None
+                               for name in ("topk_ids", "topk_logprobs"))
+    return MicroBatch(features=features[None], block_ids=to_device(inputs["block_ids"], device),
+                      labels=to_device(inputs["labels"], device),
+                      layout=layout.map_tensors(lambda tensor: to_device(tensor, device)),
                       sequences=len(batch["lengths"]), valid_blocks=int(layout.block_valid.sum()),
-                      label_index=to_device(supervised_index(labels), device),
+                      label_index=to_device(inputs["label_index"], device),
                       topk_ids=topk_ids, topk_logprobs=topk_logprobs)
 
 

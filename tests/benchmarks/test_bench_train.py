@@ -24,6 +24,7 @@ def test_real_cache_steps_are_timed_by_phase(baseline_cache: Path, tmp_path: Pat
     result = run_bench("--cache", str(baseline_cache), "--train-flags", flags, "--steps", "2", "--warmup", "1",
                        "--profile", "1", "--profile-source", "loader", "--sdpa-backends", "math,efficient",
                        "--exact-windows", "--record-at-once", "--pageable-inputs", "--small-loss-chunks", "--foreach-adamw",
+                       "--inputs-in-main",
                        "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr[-4000:]
     name = "smollm2-135m-instruct-real_dflash2_sdpa_cpu"
@@ -34,6 +35,7 @@ def test_real_cache_steps_are_timed_by_phase(baseline_cache: Path, tmp_path: Pat
     assert summary["exact_windows"] is True and summary["record_at_once"] is True
     assert summary["pinned_inputs"] is False and summary["loss_chunk_rows"] == 1024
     assert summary["adamw_fused"] is False  # (the CPU never fuses it)
+    assert summary["inputs_in_workers"] is False
     assert summary["sdpa_backends_enabled"] == {"cudnn": False, "efficient": True, "flash": False, "math": True}
     assert "not counted" in summary["flops_counted"]  # DFlash 2's own parts are left out of the FLOPs, and said so
     for variant in ("memory", "loader"):
@@ -53,7 +55,8 @@ def test_real_cache_steps_are_timed_by_phase(baseline_cache: Path, tmp_path: Pat
                            text=True, capture_output=True, timeout=60)
     rows = [line for line in table.stdout.splitlines() if line.startswith("| `")]
     assert table.returncode == 0 and len(rows) == 2 and all("| 1.00x |" in row for row in rows), table.stderr
-    assert "SDPA backends math,efficient; exact windows; record read every step" in rows[0]
+    assert "SDPA backends math,efficient; exact windows; record read every step; inputs built in the main process" \
+        in rows[0]
 
 
 def test_bad_train_flags_stop_in_one_line(baseline_cache: Path) -> None:
