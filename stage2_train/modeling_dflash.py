@@ -839,10 +839,12 @@ class TargetRunner:
         """One forward of the input buffer ``ids`` [1, W] at positions start.. (``self._start``, on the device)
         through the static cache: device work only, so it can be captured."""
         positions = self._start + torch.arange(ids.shape[1], device=self.device)
-        for layer in getattr(self.cache, "layers", None) or []:  # transformers 5: a layer writes at its own counter
-            counter = getattr(layer, "cumulative_length", None)
-            if isinstance(counter, Tensor) and counter.device == self.device:
-                counter.copy_(self._start)
+        # transformers 5: a layer writes at its own counter; all set in one launch (a foreach copy), not one a layer.
+        counters = [counter for layer in getattr(self.cache, "layers", None) or []
+                    if isinstance(counter := getattr(layer, "cumulative_length", None), Tensor)
+                    and counter.device == self.device]
+        if counters:
+            torch._foreach_copy_(counters, [self._start] * len(counters))
         kwargs: dict[str, Any] = {self._cache_kwarg: self.cache, "use_cache": True,
                                   "position_ids": positions[None], "attention_mask": self._masks(positions)}
         if self._has_cache_position:  # transformers 4.x: static layers write at cache_position
