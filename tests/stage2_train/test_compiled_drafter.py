@@ -1,10 +1,13 @@
 """The drafter's block forward compiled with torch.compile on the static decode path (`COMPILE_DRAFTER`, off by
-default) against the eager one, on CPU (float32, Inductor's C++ kernels; on a GPU the same compiled function is what
-the CUDA graph captures, which `benchmarks/bench_eval_decode.py --compile-drafter` covers). Compiling takes ~10 s a
+default) against the eager one, on CPU (float32, Inductor's C++ kernels). On a GPU the same compiled function is what
+the drafter's CUDA graph captures: a GPU-only test (skipped without CUDA) and `benchmarks/bench_eval_decode.py
+--compile-drafter` cover that. Compiling takes ~10 s a
 drafter shape on 2 CPU cores (~40 s for the first compile with a cold Inductor cache), so the tests are few, small
 and marked slow."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,9 +57,10 @@ def runners(target: torch.nn.Module, draft: loop.DFlashDraftModel) -> dict[str, 
 @pytest.mark.slow  # ~40 s with a cold Inductor cache (the first compile of a process), ~5 s warm
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_compiled_block_drafts_the_eager_tokens(targets: dict, family: str, compiled: None) -> None:
-    """Per seed a drafter (its own random weights) and random target features: after extensions that keep part of
-    each block, the compiled runner's greedy draft tokens equal the eager runner's at several anchors, its hidden
-    states agree to float32 rounding, and it compiled once per drafter shape without a graph break."""
+    """Per seed a drafter (its own random weights) and random target features: drafting blocks between extensions
+    that keep part of each block (the loop's order: the compiled forward must read the buffers' current context,
+    start and anchor), the compiled runner's greedy draft tokens equal the eager runner's, its hidden states agree
+    to float32 rounding, and it compiled without a graph break."""
     target = targets[family]
     width = len(LAYER_IDS) * target.config.hidden_size
     for seed in range(3):
@@ -64,17 +68,19 @@ def test_compiled_block_drafts_the_eager_tokens(targets: dict, family: str, comp
         pair = runners(target, draft)
         assert pair["compiled"] is not pair["eager"] and pair["compiled"].compiled and not pair["eager"].compiled
         features = torch.randn(1, 30, width, generator=torch.Generator().manual_seed(100 + seed))
+        drafts: dict[str, list[list[int]]] = {name: [] for name in pair}
         with torch.inference_mode():
             for runner in pair.values():
                 runner.extend(features[:, :13])
-                runner.extend(features[:, 13:13 + BLOCK], 2)
-                runner.extend(features[:, 15:15 + BLOCK], 3)
-            drafts = {name: [] for name in pair}
-            for bonus in (7, 900, 31000):
+            start = 13
+            for keep, bonus in ((2, 7), (3, 900), (1, 31000), (4, 7)):  # drafts between extensions: the loop's order
                 for name, runner in pair.items():
-                    drafts[name].append(runner.draft_greedy(bonus, 18).tolist())
-                torch.testing.assert_close(pair["compiled"].block_hidden(bonus, 18),
-                                           pair["eager"].block_hidden(bonus, 18), rtol=1e-4, atol=1e-4)
+                    drafts[name].append(runner.draft_greedy(bonus, start).tolist())
+                torch.testing.assert_close(pair["compiled"].block_hidden(bonus, start),
+                                           pair["eager"].block_hidden(bonus, start), rtol=1e-4, atol=1e-4)
+                for runner in pair.values():
+                    runner.extend(features[:, start:start + BLOCK], keep)
+                start += keep
         assert drafts["compiled"] == drafts["eager"]
         assert len({token for block in drafts["eager"] for token in block}) > 1  # not one repeated token
     assert counters["stats"]["unique_graphs"] >= 1
@@ -102,4 +108,29 @@ def test_speculative_decoding_with_the_compiled_drafter_equals_plain_decoding(ta
     compiled_runners = [r for r in draft.__dict__["_dflash_static_runners"].values() if r.compiled]
     assert len(compiled_runners) == 1
     assert counters["stats"]["unique_graphs"] >= 1
+    assert not counters["graph_break"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_cuda_graph_of_the_compiled_block_equals_the_dynamic_path(architecture: str, compiled: None,
+                                                                  tmp_path: Path) -> None:
+    """On a GPU (float32): the compiled block forward is captured as the drafter's CUDA graph (no capture failure)
+    and the graphed loop gives the dynamic path's tokens and acceptance over prompts that reuse the graph."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.shared.target_loading import resolve_target
+    from tests.end_to_end.families import build_family
+
+    folder = build_family("gemma3_text", Path(resolve_target(None).load_path), tmp_path / "gemma3_text")
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    draft = scaled(drafter(target, architecture), 0).cuda()
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    for prompt in (list(range(200, 230)), list(range(900, 911)), list(range(50, 90))):
+        graphed = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="auto")
+        assert graphed.decode == "static+cuda-graphs"
+        eager = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="dynamic")
+        assert graphed.tokens == eager.tokens and graphed.accepted == eager.accepted
+    (runner,) = draft.__dict__["_dflash_static_runners"].values()
+    assert runner.compiled and runner.graph_failure is None and runner._block.graph is not None
     assert not counters["graph_break"]
