@@ -4,6 +4,7 @@
 Recipe (the GPU machine, one H100; about 4 minutes, most of it the dynamic path of part a):
 
     python benchmarks/bench_eval_decode.py --out benchmarks/results/eval_decode_h100 [--draft RUN/export]
+        [--compile-drafter] [--phases]
 
 (a) ``smollm2``: SmolLM2-135M-Instruct (the embedded default target, bf16) with the drafter export --draft, or
     without one a random-weight drafter of the shape `dflash train` builds by default (speed only: its tau is about
@@ -19,6 +20,17 @@ Recipe (the GPU machine, one H100; about 4 minutes, most of it the dynamic path 
     forwards: tau * t_decode / (t_verify + t_draft); loop: tau * t_plain_step / t_speculative_step (its measured
     step at tau about 1 includes the loop's own overhead).
 
+Two opt-in parts for the fast path's next steps (issue 31: speedup >= 0.7 x tau):
+--compile-drafter adds the path ``static+compiled-drafter``: the fast path with the drafter's block forward compiled
+    by torch.compile before its CUDA graph is captured (`modeling_dflash.COMPILE_DRAFTER`), in parts a and b (its
+    loops, and in b the drafter block forward alone as ``draft_block_compiled``), beside the default in the same run:
+    ``compiled_over_static`` (speculative tokens/s and time per step), ``compiled_agrees_with_static`` (prompts with
+    equal tokens), and the compile time in ``warmup_seconds``.
+--phases (part a, CUDA only; skipped on CPU): the fast path(s) decode the prompts again with CUDA events around the
+    loop's calls (patched inside this benchmark only) and report per step after the prefill the GPU-timeline ms of
+    draft / verify / accept (with its read-back) / extend, of the plain step's forward / pick, each step's total (the
+    median interval between consecutive step starts) and ``other`` (the step minus its phases: the host's share).
+
 Warm-up first: every path decodes the first prompt (graphs captured, kernels chosen) before the timed runs, and the
 static buffers are sized for the longest prompt, so compile/capture time stays out of the timed window. Results:
 OUT/bench_eval_decode.json (and the table on stdout).
@@ -32,6 +44,9 @@ import platform
 import statistics
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,6 +66,7 @@ from dflash.stage2_train.speculative import first_difference, greedy_generate  #
 from dflash.stage2_train.target_parts import scaled_embedding  # noqa: E402
 
 PATHS = ("dynamic", "static")  # "static" = the fast path (CUDA graphs on a GPU)
+COMPILED = "static+compiled-drafter"  # the fast path with the drafter's block forward compiled (--compile-drafter)
 TAUS = (3.0, 4.0, 6.0)
 DRAFT_LAYERS = ExtractOptions.draft_layers  # `dflash extract`'s default: 5 captured layers, 5 drafter layers
 
@@ -72,6 +88,22 @@ def random_drafter(target: torch.nn.Module, mask_token_id: int, device: torch.de
     return draft.to(next(target.parameters()).dtype).eval()
 
 
+@contextmanager
+def drafter_compiled(path: str) -> Iterator[None]:
+    """`loop.COMPILE_DRAFTER` on for the COMPILED path, off for the others (restored after)."""
+    saved = loop.COMPILE_DRAFTER
+    loop.COMPILE_DRAFTER = path == COMPILED
+    try:
+        yield
+    finally:
+        loop.COMPILE_DRAFTER = saved
+
+
+def decode_mode(path: str) -> str:
+    """The `decode` argument of a benchmark path."""
+    return "dynamic" if path == "dynamic" else "static"
+
+
 def summary(results: list[loop.SpecResult]) -> dict[str, Any]:
     tokens = sum(len(r.tokens) for r in results)
     seconds = sum(r.seconds for r in results)
@@ -84,34 +116,43 @@ def summary(results: list[loop.SpecResult]) -> dict[str, Any]:
             "decode": sorted({r.decode for r in results})}
 
 
-def decode_all(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompts: list[list[int]], new_tokens: int,
-               capacity: int) -> dict[str, Any]:
-    """Plain and speculative decoding of every prompt on both paths (after a warm-up of each on the first prompt)."""
+def decoders(target: torch.nn.Module, draft: loop.DFlashDraftModel,
+             capacity: int) -> tuple[Callable[..., loop.SpecResult], Callable[..., loop.SpecResult]]:
+    """(speculative, plain): decode(ids, n, path) -> SpecResult on a benchmark path (greedy, no stop token)."""
     embed = scaled_embedding(target.get_input_embeddings().weight, draft.embed_scale)
     head = target.get_output_embeddings().weight
     layer_ids = draft.target_layer_ids
 
     def speculative(ids: list[int], n: int, path: str) -> loop.SpecResult:
-        return loop.speculative_generate(target, draft, embed, head, ids, layer_ids, n, [], decode=path,
-                                         capacity=capacity)
+        with drafter_compiled(path):
+            return loop.speculative_generate(target, draft, embed, head, ids, layer_ids, n, [],
+                                             decode=decode_mode(path), capacity=capacity)
 
     def plain(ids: list[int], n: int, path: str) -> loop.SpecResult:
-        return greedy_generate(target, ids, n, [], decode=path, capacity=capacity)
+        return greedy_generate(target, ids, n, [], decode=decode_mode(path), capacity=capacity)
 
-    runs: dict[str, dict[str, list[loop.SpecResult]]] = {p: {"plain": [], "dflash": []} for p in PATHS}
+    return speculative, plain
+
+
+def decode_all(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompts: list[list[int]], new_tokens: int,
+               capacity: int, paths: tuple[str, ...] = PATHS) -> dict[str, Any]:
+    """Plain and speculative decoding of every prompt on each path (after a warm-up of each on the first prompt:
+    graph capture, and with COMPILED the drafter's compilation, whose time `warmup_seconds` shows)."""
+    speculative, plain = decoders(target, draft, capacity)
+    runs: dict[str, dict[str, list[loop.SpecResult]]] = {p: {"plain": [], "dflash": []} for p in paths}
     warmup: dict[str, float] = {}
-    for path in PATHS:
+    for path in paths:
         started = time.perf_counter()
         speculative(prompts[0], 2 * DEFAULT_BLOCK_SIZE, path)
         plain(prompts[0], 8, path)
         sync()
         warmup[path] = time.perf_counter() - started
     for ids in prompts:
-        for path in PATHS:
+        for path in paths:
             runs[path]["plain"].append(plain(ids, new_tokens, path))
             runs[path]["dflash"].append(speculative(ids, new_tokens, path))
     out: dict[str, Any] = {"warmup_seconds": warmup}
-    for path in PATHS:
+    for path in paths:
         plain_s, spec_s = summary(runs[path]["plain"]), summary(runs[path]["dflash"])
         lossless = [first_difference(p.tokens, s.tokens) for p, s in zip(runs[path]["plain"], runs[path]["dflash"])]
         out[path] = {"plain": plain_s, "dflash": spec_s,
@@ -125,8 +166,95 @@ def decode_all(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompts: l
     out["paths_agree"] = {method: sum(a.tokens == b.tokens for a, b in zip(runs["dynamic"][method],
                                                                            runs["static"][method]))
                           for method in ("plain", "dflash")}
+    if COMPILED in paths:
+        out["compiled_over_static"] = {
+            "dflash_tokens_per_second": out[COMPILED]["dflash"]["tokens_per_second"]
+            / out["static"]["dflash"]["tokens_per_second"],
+            "dflash_seconds_per_step": out[COMPILED]["dflash"]["seconds_per_step"]
+            / out["static"]["dflash"]["seconds_per_step"]}
+        out["compiled_agrees_with_static"] = sum(a.tokens == b.tokens for a, b in zip(runs["static"]["dflash"],
+                                                                                      runs[COMPILED]["dflash"]))
     out["prompts"] = len(prompts)
     out["new_tokens"] = new_tokens
+    return out
+
+
+class PhaseTimer:
+    """GPU time of the loop's phases: CUDA events recorded around each call of the functions `timing` patches (on
+    the current stream, so an interval holds the phase's kernels and any wait for the host to launch them)."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[tuple[int, torch.cuda.Event, torch.cuda.Event]]] = defaultdict(list)
+        self.generation = 0  # which decode the events belong to (a step never spans two)
+
+    def wrap(self, name: str, function: Callable[..., Any],
+             rename: Callable[..., str | None] | None = None) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            phase = rename(*args, **kwargs) if rename else name
+            if phase is None:
+                return function(*args, **kwargs)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = function(*args, **kwargs)
+            end.record()
+            self.events[phase].append((self.generation, start, end))
+            return out
+        return timed
+
+    def milliseconds(self, step_phase: str) -> dict[str, float]:
+        """Mean ms of each phase per call, and ``step``: the mean interval between consecutive starts of
+        ``step_phase`` within one decode (one step on the GPU's timeline, gaps included); ``other``: the step minus
+        its phases (the prefill's extension is not one)."""
+        torch.cuda.synchronize()
+        means = {name: statistics.mean(s.elapsed_time(e) for _, s, e in calls) for name, calls in self.events.items()}
+        starts = self.events[step_phase]
+        step = statistics.mean(a.elapsed_time(b) for (g, a, _), (h, b, _) in zip(starts, starts[1:]) if g == h)
+        return {"step": step, **means, "other": step - sum(v for k, v in means.items() if k != "prefill_extend")}
+
+
+@contextmanager
+def timing(timer: PhaseTimer, method: str) -> Iterator[None]:
+    """Patch (for this benchmark only) the calls one step makes, so ``timer`` records them: speculative steps:
+    draft (`DraftRunner.draft_greedy`), verify (`TargetRunner.verify`), accept (`verify_greedy`, with its
+    read-back), extend (`DraftRunner.extend` of the accepted rows; the prefill's own extension is kept apart);
+    plain steps: forward (the one-token `TargetRunner.forward`) and pick (`pick_token`, with its read-back)."""
+    from dflash.stage2_train import speculative as plain_module
+
+    if method == "dflash":
+        patches = [(loop.DraftRunner, "draft_greedy", "draft", None),
+                   (loop.TargetRunner, "verify", "verify", None),
+                   (loop, "verify_greedy", "accept", None),
+                   (loop.DraftRunner, "extend", "extend",
+                    lambda _self, _features, count=None: "prefill_extend" if count is None else "extend")]
+    else:
+        patches = [(loop.TargetRunner, "forward", "forward",
+                    lambda _self, ids, _start, last_only=False: "forward" if len(ids) == 1 else None),
+                   (plain_module, "pick_token", "pick", None)]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _, _ in patches]
+    try:
+        for owner, name, phase, rename in patches:
+            setattr(owner, name, timer.wrap(phase, getattr(owner, name), rename))
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def phase_times(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompts: list[list[int]], new_tokens: int,
+                capacity: int, paths: tuple[str, ...]) -> dict[str, Any]:
+    """Per step after the prefill, GPU ms of each phase of speculative and plain decoding on the fast path(s),
+    decoded again after `decode_all` (graphs captured). CUDA only. The events add two launches per phase."""
+    speculative, plain = decoders(target, draft, capacity)
+    out: dict[str, Any] = {}
+    for path in paths:
+        out[path] = {}
+        for method, decode in (("dflash", speculative), ("plain", plain)):
+            timer = PhaseTimer()
+            with timing(timer, method):
+                for timer.generation, ids in enumerate(prompts):
+                    decode(ids, new_tokens, path)
+            out[path][method] = timer.milliseconds("draft" if method == "dflash" else "forward")
+        out[path]["dflash_step_in_plain_steps"] = out[path]["dflash"]["step"] / out[path]["plain"]["step"]
     return out
 
 
@@ -146,9 +274,17 @@ def bench_smollm2(args: argparse.Namespace, device: torch.device) -> dict[str, A
         drafter_name = f"random weights, {DRAFT_LAYERS} layers, block {DEFAULT_BLOCK_SIZE} (speed only)"
     prompts = [tokenize_prompt(tokenizer, p.messages) for p in load_prompts("mtbench", args.prompts)]
     capacity = max(map(len, prompts)) + args.new_tokens + draft.block_size
-    result = decode_all(target, draft, prompts, args.new_tokens, capacity)
+    result = decode_all(target, draft, prompts, args.new_tokens, capacity, bench_paths(args))
+    if args.phases:
+        fast = tuple(p for p in bench_paths(args) if p != "dynamic")
+        result["phases_ms"] = (phase_times(target, draft, prompts, args.new_tokens, capacity, fast)
+                               if device.type == "cuda" else "skipped: CUDA only")
     return {"target": resolved.display_name, "drafter": drafter_name, "block_size": draft.block_size,
             "draft_layers": int(draft.config.num_hidden_layers), **result}
+
+
+def bench_paths(args: argparse.Namespace) -> tuple[str, ...]:
+    return (*PATHS, COMPILED) if args.compile_drafter else PATHS
 
 
 def median_seconds(step: Callable[[], None], repeats: int) -> float:
@@ -191,6 +327,16 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
                 step()
             forwards["verify_block"] = median_seconds(verify, args.repeats)
             forwards["draft_block"] = median_seconds(propose, args.repeats)
+            if args.compile_drafter:
+                with drafter_compiled(COMPILED):
+                    compiled = loop.draft_runner(draft, embed, head, 1.0, capacity, "static")
+                compiled.extend(features)
+
+                def propose_compiled() -> None:
+                    compiled.draft_greedy(prompt[0], args.context)
+
+                propose_compiled()  # warm-up: compile, then capture
+                forwards["draft_block_compiled"] = median_seconds(propose_compiled, args.repeats)
         decoder = loop.target_runner(target, (), capacity, "static")
         decoder.forward(prompt, 0, last_only=True)
 
@@ -203,7 +349,7 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
         forwards["decode_step"] = median_seconds(decode_step, args.repeats)
         paths = {"verify_block": verifier.path, "draft_block": "static+cuda-graphs" if drafter.graph_failure is None
                  else drafter.graph_failure, "decode_step": decoder.path}
-    loops = decode_all(target, draft, [prompt], args.qwen_new_tokens, capacity)
+    loops = decode_all(target, draft, [prompt], args.qwen_new_tokens, capacity, bench_paths(args))
     spec_step = forwards["verify_block"] + forwards["draft_block"]
     fast = loops["static"]
     return {
@@ -232,6 +378,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens of the Qwen3-8B-shaped target")
     parser.add_argument("--qwen-new-tokens", type=int, default=64, help="tokens of the Qwen3-8B-shaped loops")
     parser.add_argument("--repeats", type=int, default=50, help="timed repeats of each single forward")
+    parser.add_argument("--compile-drafter", action="store_true",
+                        help=f"also run the fast path with the drafter's block forward compiled ({COMPILED}: "
+                             "modeling_dflash.COMPILE_DRAFTER), to compare with the default in one run")
+    parser.add_argument("--phases", action="store_true",
+                        help="part a: GPU ms per step of draft / verify / accept / extend and of the plain step "
+                             "(CUDA only)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report: dict[str, Any] = {

@@ -47,7 +47,8 @@ The fast path (``decode="static"``, the default on CUDA): the target runs over a
 position back; the drafter keeps its projected context in a preallocated buffer and runs a fixed-shape block
 forward over it (rows past the context masked); the verify block, the one-token step of plain decoding and the
 drafter block are captured once as CUDA graphs (`GraphedForward`) and replayed; the greedy acceptance runs on the
-device with one read-back per step. Hybrid recurrent targets keep the dynamic path (`static_unsupported`).
+device with one read-back per step. Hybrid recurrent targets keep the dynamic path (`static_unsupported`). With
+`COMPILE_DRAFTER` (opt-in) the drafter's block forward is compiled by torch.compile before its graph is captured.
 
 Cache cropping: transformers >= 5.15 `Cache.crop(n)` takes the number of tokens to remove as a negative integer and
 rejects a positive n (older versions read a positive n as the length to keep). `crop_cache(cache, keep)` therefore
@@ -839,10 +840,12 @@ class TargetRunner:
         """One forward of the input buffer ``ids`` [1, W] at positions start.. (``self._start``, on the device)
         through the static cache: device work only, so it can be captured."""
         positions = self._start + torch.arange(ids.shape[1], device=self.device)
-        for layer in getattr(self.cache, "layers", None) or []:  # transformers 5: a layer writes at its own counter
-            counter = getattr(layer, "cumulative_length", None)
-            if isinstance(counter, Tensor) and counter.device == self.device:
-                counter.copy_(self._start)
+        # transformers 5: a layer writes at its own counter; all set in one launch (a foreach copy), not one a layer.
+        counters = [counter for layer in getattr(self.cache, "layers", None) or []
+                    if isinstance(counter := getattr(layer, "cumulative_length", None), Tensor)
+                    and counter.device == self.device]
+        if counters:
+            torch._foreach_copy_(counters, [self._start] * len(counters))
         kwargs: dict[str, Any] = {self._cache_kwarg: self.cache, "use_cache": True,
                                   "position_ids": positions[None], "attention_mask": self._masks(positions)}
         if self._has_cache_position:  # transformers 4.x: static layers write at cache_position
@@ -924,6 +927,13 @@ class TargetRunner:
 # ---------------------------------------------------------------------------
 
 
+# Whether the static path compiles the drafter's block forward (`DraftRunner._eager_block`: embedding, masks, the
+# layers, the greedy head) with torch.compile (fullgraph, static shapes) before its CUDA graph is captured, so the
+# graph replays Inductor's fused kernels instead of the ~365 unfused ones of the eager modules. Off until measured on
+# a GPU: benchmarks/bench_eval_decode.py --compile-drafter compares both in one run.
+COMPILE_DRAFTER = False
+
+
 class DraftRunner:
     """The drafter side of the loop: its context (projected once per new feature row) and one block proposal.
 
@@ -945,6 +955,7 @@ class DraftRunner:
         self.context: Tensor | None = None  # projected [1, C, H]
         self.capacity = capacity
         self.length = 0  # context rows of the static buffer
+        self.compiled = capacity is not None and COMPILE_DRAFTER  # the static block forward is compiled
         if capacity is not None:
             self.context = torch.zeros((1, capacity, draft.config.hidden_size), dtype=self.dtype, device=self.device)
             self._start = torch.zeros((), dtype=torch.long, device=self.device)
@@ -952,6 +963,10 @@ class DraftRunner:
             self._masks = torch.full((1, self.block_size - 1), self.mask_token_id, dtype=torch.long,
                                      device=embed_weight.device)
             pool = torch.cuda.graph_pool_handle() if graphs else None
+            # Compiled lazily by its first call: GraphedForward's warm-up runs, before the capture records the
+            # compiled kernels (on CPU, without graphs: the first draft).
+            self._block_forward = (torch.compile(self._eager_block, fullgraph=True, dynamic=False) if self.compiled
+                                   else self._eager_block)
             self._block = GraphedForward(self._static_block, graphs, pool)
 
     @property
@@ -1016,7 +1031,17 @@ class DraftRunner:
 
     def _static_block(self) -> tuple[Tensor, Tensor]:
         """(hidden [1, B, H], greedy draft tokens [B - 1]) of the block at ``self._start`` over the whole context
-        buffer (rows at and after the start masked): device work only, so it can be captured."""
+        buffer (rows at and after the start masked): device work only, so it can be captured. The drafter attends
+        with `DenseAttention` (SDPA) meanwhile, whatever training set; the swap stays outside `_block_forward`, so
+        a compiled block forward (`COMPILE_DRAFTER`) holds no module mutation."""
+        attention, self.draft_model.attention = self.draft_model.attention, DenseAttention  # SDPA, not training's
+        try:
+            return self._block_forward()
+        finally:
+            self.draft_model.attention = attention
+
+    def _eager_block(self) -> tuple[Tensor, Tensor]:
+        """`_static_block`'s device work (eager; `_block_forward` is this function or its compiled form)."""
         assert self.context is not None and self.capacity is not None
         noise = self._embed(torch.cat([self._bonus, self._masks], dim=1))
         offsets = torch.arange(self.block_size, device=self.device)
@@ -1024,11 +1049,7 @@ class DraftRunner:
         k_pos = torch.arange(self.capacity, device=self.device)[None]
         visible = torch.cat([k_pos < self._start, torch.ones_like(offsets, dtype=torch.bool)[None]], dim=1)
         mask = visible[:, None, :].expand(1, self.block_size, -1)
-        attention, self.draft_model.attention = self.draft_model.attention, DenseAttention  # SDPA, not training's
-        try:
-            hidden = self.draft_model(noise, self.context, q_pos, k_pos, mask, projected=True)
-        finally:
-            self.draft_model.attention = attention
+        hidden = self.draft_model(noise, self.context, q_pos, k_pos, mask, projected=True)
         return hidden, self._greedy(hidden[0, 1:], self._bonus[0].to(self.lm_head_weight.device))
 
     def _greedy(self, hidden: Tensor, anchor: Tensor) -> Tensor:
@@ -1231,7 +1252,8 @@ def draft_runner(draft: DFlashDraftModel, embed_weight: Tensor, lm_head_weight: 
     if not static:
         return DraftRunner(draft, embed_weight, lm_head_weight, embed_scale)
     runners = draft.__dict__.setdefault("_dflash_static_runners", {})
-    key = (embed_weight.data_ptr(), lm_head_weight.data_ptr(), embed_scale, graphs, str(param.device), param.dtype)
+    key = (embed_weight.data_ptr(), lm_head_weight.data_ptr(), embed_scale, graphs, str(param.device), param.dtype,
+           COMPILE_DRAFTER)
     runner = runners.get(key)
     if runner is None or (runner.capacity or 0) < needed:
         runners.pop(key, None)
