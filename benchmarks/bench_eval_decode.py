@@ -20,9 +20,11 @@ Recipe (the GPU machine, one H100; about 4 minutes, most of it the dynamic path 
     forwards: tau * t_decode / (t_verify + t_draft); loop: tau * t_plain_step / t_speculative_step (its measured
     step at tau about 1 includes the loop's own overhead).
 
-Two opt-in parts for the fast path's next steps (issue 31: speedup >= 0.7 x tau):
+Two opt-in parts (issue 31: speedup >= 0.7 x tau):
 --compile-drafter adds the path ``static+compiled-drafter``: the fast path with the drafter's block forward compiled
-    by torch.compile before its CUDA graph is captured (`modeling_dflash.COMPILE_DRAFTER`), in parts a and b (its
+    by torch.compile before its CUDA graph is captured (`modeling_dflash.COMPILE_DRAFTER`; `dflash eval`'s default
+    with CUDA graphs since it was measured here on 2026-12-06, while this benchmark's ``static`` path keeps the
+    eager drafter block, the one before), in parts a and b (its
     loops, and in b the drafter block forward alone as ``draft_block_compiled``), beside the default in the same run:
     ``compiled_over_static`` (speculative tokens/s and time per step), ``compiled_agrees_with_static`` (prompts with
     equal tokens), and the compile time in ``warmup_seconds``.
@@ -380,7 +382,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50, help="timed repeats of each single forward")
     parser.add_argument("--compile-drafter", action="store_true",
                         help=f"also run the fast path with the drafter's block forward compiled ({COMPILED}: "
-                             "modeling_dflash.COMPILE_DRAFTER), to compare with the default in one run")
+                             "modeling_dflash.COMPILE_DRAFTER, eval's default with CUDA graphs) beside the static path with "
+                             "the eager drafter block, in one run")
     parser.add_argument("--phases", action="store_true",
                         help="part a: GPU ms per step of draft / verify / accept / extend and of the plain step "
                              "(CUDA only)")

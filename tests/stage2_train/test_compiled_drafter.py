@@ -1,5 +1,5 @@
-"""The drafter's block forward compiled with torch.compile on the static decode path (`COMPILE_DRAFTER`, off by
-default) against the eager one, on CPU (float32, Inductor's C++ kernels). On a GPU the same compiled function is what
+"""The drafter's block forward compiled with torch.compile on the static decode path (`COMPILE_DRAFTER`: by default
+where the block is captured as a CUDA graph) against the eager one, on CPU (float32, Inductor's C++ kernels). On a GPU the same compiled function is what
 the drafter's CUDA graph captures: a GPU-only test (skipped without CUDA) and `benchmarks/bench_eval_decode.py
 --compile-drafter` cover that. Compiling takes ~10 s a
 drafter shape on 2 CPU cores (~40 s for the first compile with a cold Inductor cache), so the tests are few, small
@@ -128,9 +128,53 @@ def test_cuda_graph_of_the_compiled_block_equals_the_dynamic_path(architecture: 
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     for prompt in (list(range(200, 230)), list(range(900, 911)), list(range(50, 90))):
         graphed = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="auto")
-        assert graphed.decode == "static+cuda-graphs"
+        assert graphed.decode == "static+cuda-graphs, compiled drafter"
         eager = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="dynamic")
         assert graphed.tokens == eager.tokens and graphed.accepted == eager.accepted
     (runner,) = draft.__dict__["_dflash_static_runners"].values()
     assert runner.compiled and runner.graph_failure is None and runner._block.graph is not None
     assert not counters["graph_break"]
+
+
+def test_the_drafter_compiles_by_default_only_where_its_block_is_a_cuda_graph(targets: dict,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """COMPILE_DRAFTER None (the default): compiled with CUDA graphs, eager on the CPU's static path; True / False
+    force it. Only the choice is built here (torch.compile is lazy: nothing compiles before a first draft)."""
+    target = targets["llama"]
+    draft = drafter(target, "dflash")
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    assert loop.COMPILE_DRAFTER is None
+    for setting, graphs, compiled in ((None, False, False), (None, True, True), (True, False, True),
+                                      (False, True, False)):
+        monkeypatch.setattr(loop, "COMPILE_DRAFTER", setting)
+        # graphs=True without CUDA: only the runner's choice is looked at, nothing is captured or run
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+        runner = loop.DraftRunner(draft, embed, head, 1.0, 64, graphs)
+        assert runner.compiled is compiled, (setting, graphs)
+    assert loop.DraftRunner(draft, embed, head, 1.0).compiled is False  # the dynamic path never compiles
+
+
+def test_a_drafter_that_does_not_compile_falls_back_to_the_eager_block(targets: dict,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler failure on the first (warm-up) call leaves the runner eager with the reason in the decode path's
+    name, and the loop's tokens and acceptance are the eager static path's."""
+    def failing_compile(function, **_options):  # noqa: ANN001, ANN202 - torch.compile's stand-in
+        def compiled(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            raise RuntimeError("Inductor could not lower this drafter")
+        return compiled
+
+    target = targets["gemma3_text"]
+    draft = scaled(drafter(target, "dflash"), 0)
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    prompt = list(range(200, 230))
+    monkeypatch.setattr(loop, "COMPILE_DRAFTER", False)
+    eager = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 20, [2], decode="static")
+    monkeypatch.setattr(loop, "COMPILE_DRAFTER", True)
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    fallen = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 20, [2], decode="static")
+    assert fallen.tokens == eager.tokens and fallen.accepted == eager.accepted
+    assert fallen.decode == "static, drafter not compiled (RuntimeError: Inductor could not lower this drafter)"
+    runner = next(r for r in draft.__dict__["_dflash_static_runners"].values() if r.compile_failure)
+    assert runner.compiled is False
+    again = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 20, [2], decode="static")
+    assert again.tokens == eager.tokens and again.decode == fallen.decode  # the reused runner stays eager

@@ -232,7 +232,7 @@ def test_cuda_graph_path_equals_the_dynamic_path(architecture: str, tmp_path: Pa
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     for prompt in (list(range(200, 230)), list(range(900, 911)), list(range(50, 90))):
         graphed = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="auto")
-        assert graphed.decode == "static+cuda-graphs"
+        assert graphed.decode == "static+cuda-graphs, compiled drafter"  # COMPILE_DRAFTER's default with graphs
         eager = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="dynamic")
         assert graphed.tokens == eager.tokens and graphed.accepted == eager.accepted
         plain = spec.greedy_generate(target, prompt, 24, [2], decode="auto")
