@@ -31,7 +31,7 @@ Two opt-in parts (issue 31: speedup >= 0.7 x tau):
 --phases (part a, CUDA only; skipped on CPU): the fast path(s) decode the prompts again with CUDA events around the
     loop's calls (patched inside this benchmark only) and report per step after the prefill the GPU-timeline ms of
     draft / verify / accept (with its read-back) / extend, of the plain step's forward / pick, each step's total (the
-    median interval between consecutive step starts) and ``other`` (the step minus its phases: the host's share).
+    mean interval between consecutive step starts) and ``other`` (the step minus its phases: the host's share).
 
 Warm-up first: every path decodes the first prompt (graphs captured, kernels chosen) before the timed runs, and the
 static buffers are sized for the longest prompt, so compile/capture time stays out of the timed window. Results:
@@ -311,7 +311,8 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     forwards: dict[str, float] = {}
     with torch.inference_mode():
         verifier = loop.target_runner(target, layer_ids, capacity, "static")
-        drafter = loop.draft_runner(draft, embed, head, 1.0, capacity, "static")
+        with drafter_compiled("static"):  # the eager block (draft_block); the compiled one below (draft_block_compiled)
+            drafter = loop.draft_runner(draft, embed, head, 1.0, capacity, "static")
         with verifier.hooked():
             _, features = verifier.forward(prompt, 0, last_only=True)
             drafter.extend(features)

@@ -13,7 +13,7 @@
 # Settings (environment): VARIANTS ("NAME=FLAGS;NAME=FLAGS;...", the first the baseline; default: the issue's
 # question c, target-initialised layers; questions a, the loss, and b, anchors per sequence, were answered on
 # 2026-12-06, b over seeds 0-2: 64 a sequence is the default since, and
-#   b, anchors per sequence:       "density6=--anchor-density 0.1667 --max-anchors 512;fixed64=" (SEEDS=0,1,2)
+#   b, anchors per sequence:       "density6=--anchor-density 0.16666666666666666 --max-anchors 512;fixed64=" (SEEDS=0,1,2)
 # asks it again), the other questions as variants:
 #   c, target-initialised layers:  "random=;last=--init-from-target last;first=--init-from-target first"
 #   d, learning rate:              "lr1e-3=;lr2e-3=--lr 2e-3;lr5e-4=--lr 5e-4" (epochs: STEPS, or VARIANT_STEPS)
@@ -28,7 +28,7 @@
 # tree, e.g. from a lost machine's state.tgz): they are copied into $OUT/bench/results first, and the bench skips
 # every run whose result is complete there.
 # Why seeds: one recipe's test tau after 600 steps spread with a standard deviation of 0.033-0.066 over seeds 0-2,
-# 3-5x one run's standard error over test sequences (2026-12-06, benchmarks/results/
+# 2-5x one run's standard error over test sequences (2026-12-06, benchmarks/results/
 # h100_anchor_seeds_and_specforge_2026-12-06): a difference between variants is the paired one over seeds.
 # Each 600-step run took 168-318 s on the fast path on an H100 or H200 (measured 2026-12-06; 318 s: the first run,
 # compiling cold), so

@@ -25,7 +25,7 @@ baseline's at that seed: the mean +- its standard error over seeds, and the numb
 the one of the highest mean best validation tau over the seeds every variant finished; live tau is measured for the baseline and
 the best at the first seed. Why: one run's +- is its standard error over test sequences, which leaves out how far
 training the same recipe twice varies: over seeds 0-2 one recipe's test tau after 600 steps spread with a
-standard deviation of 0.033-0.066, 3-5x a run's standard error (2026-12-06, benchmarks/results/
+standard deviation of 0.033-0.066, 2-5x a run's standard error (2026-12-06, benchmarks/results/
 h100_anchor_seeds_and_specforge_2026-12-06; the seed draws the initial weights, the data order, the anchors and the
 split). With 2-3 seeds the paired standard error has 1-2 degrees of freedom: a
 difference of two of them is not a 95 % interval. With one seed, runs keep the variant's name and the output is as

@@ -47,8 +47,8 @@ The fast path (``decode="static"``, the default on CUDA): the target runs over a
 position back; the drafter keeps its projected context in a preallocated buffer and runs a fixed-shape block
 forward over it (rows past the context masked); the verify block, the one-token step of plain decoding and the
 drafter block are captured once as CUDA graphs (`GraphedForward`) and replayed; the greedy acceptance runs on the
-device with one read-back per step. Hybrid recurrent targets keep the dynamic path (`static_unsupported`). With
-`COMPILE_DRAFTER` (opt-in) the drafter's block forward is compiled by torch.compile before its graph is captured.
+device with one read-back per step. Hybrid recurrent targets keep the dynamic path (`static_unsupported`). Where
+graphs are captured, the drafter's block forward is compiled by torch.compile first (`COMPILE_DRAFTER`).
 
 Cache cropping: transformers >= 5.15 `Cache.crop(n)` takes the number of tokens to remove as a negative integer and
 rejects a positive n (older versions read a positive n as the length to keep). `crop_cache(cache, keep)` therefore
@@ -989,10 +989,11 @@ class DraftRunner:
     @property
     def path_note(self) -> str:
         """What the decode path's name adds for the drafter: ", compiled drafter" where its block forward runs
-        compiled, the reason where compilation fell back to eager, else nothing."""
-        if self.compile_failure:
-            return f", drafter not compiled ({self.compile_failure})"
-        return ", compiled drafter" if self.compiled else ""
+        compiled, the reason where compilation fell back to eager, and a failed capture of its CUDA graph."""
+        note = f", drafter not compiled ({self.compile_failure})" if self.compile_failure else (
+            ", compiled drafter" if self.compiled else "")
+        failure = self.graph_failure
+        return note + (f", drafter {failure}" if failure else "")
 
     def reset(self) -> None:
         """Empty the context for a new prompt (the static buffer stays)."""
@@ -1061,7 +1062,8 @@ class DraftRunner:
         try:
             outputs = self._compiled_block()
         except Exception as error:  # noqa: BLE001 - any compiler failure; the eager forward computes the same
-            self.compiled, self.compile_failure = False, f"{type(error).__name__}: {str(error)[:300]}"
+            first_line = (str(error).strip().splitlines() or [""])[0][:200]  # Dynamo's messages run over many lines
+            self.compiled, self.compile_failure = False, f"{type(error).__name__}: {first_line}"
             self._block_forward = self._eager_block
             return self._eager_block()
         self._block_forward = self._compiled_block

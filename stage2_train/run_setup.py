@@ -172,7 +172,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     cache = options.cache.resolve()
     manifest = cf.read_manifest(cache)
     if options.resume:
-        keep_recorded_split(options, files)
+        keep_recorded_plan(options, files)
     index = CacheIndex.from_cache(cache, options.eval_fraction, options.seed, options.test_fraction)
     parts = load_target_parts(cache)
     config, mask_token_id = drafter_config(options, manifest, parts, files)
@@ -283,19 +283,27 @@ def claim_run_dir(options: TrainOptions, files: RunFiles) -> Any:
     return lock
 
 
-def keep_recorded_split(options: TrainOptions, files: RunFiles) -> None:
-    """--resume: the cache is split as when the run started; other split flags than the run's are refused."""
+def keep_recorded_plan(options: TrainOptions, files: RunFiles) -> None:
+    """--resume: the cache is split, and its sequences draw their anchors, as when the run started (its saved
+    position is one of that plan); other split or anchor flags than the run's are refused (a run started before the
+    anchor defaults changed, 2026-12-06, resumes with its own: --anchor-density 0.16666666666666666
+    --max-anchors 512)."""
     if not files.options.is_file():
         return
     record = files.recorded_options("eval_fraction", "test_fraction", "seed")
-    given = {"--eval-fraction": options.eval_fraction, "--test-fraction": options.test_fraction, "--seed": options.seed}
+    given = {"--eval-fraction": options.eval_fraction, "--test-fraction": options.test_fraction, "--seed": options.seed,
+             "--anchor-density": options.anchor_density, "--max-anchors": options.max_anchors}
     made = {"--eval-fraction": record["eval_fraction"], "--test-fraction": record["test_fraction"],
-            "--seed": record["seed"]}
+            "--seed": record["seed"], "--anchor-density": record.get("anchor_density", options.anchor_density),
+            "--max-anchors": record.get("max_anchors", options.max_anchors)}
+    def differ(made_value: Any, value: Any) -> bool:  # --anchor-density may be None (every candidate)
+        return (made_value is None) != (value is None) or (value is not None and float(made_value) != float(value))
+
     differences = [f"{flag}: the run has {made[flag]}, this command gives {value}" for flag, value in given.items()
-                   if float(made[flag]) != float(value)]
+                   if differ(made[flag], value)]
     if differences:
-        raise UserError(f"--resume: the run in {files.root} split its cache otherwise:\n  " + "\n  ".join(differences)
-                        + "\nresume with the flags it was started with")
+        raise UserError(f"--resume: the run in {files.root} split its cache or drew its anchors otherwise:\n  "
+                        + "\n  ".join(differences) + "\nresume with the flags it was started with")
 
 
 def make_accelerator(options: TrainOptions, files: RunFiles) -> tuple[Any, str]:

@@ -29,7 +29,7 @@ from tests.conftest import EXTRACT_ARGS, REPO, run_dflash
 # The anchor rule the cases were set up with (1/6 of the positions, the default until 2026-12-06): with every
 # position up to 24, case 6's damaged shard is read first by the main process's evaluation (eval_set), not by a
 # loader worker, which is what case 6 is about.
-TRAIN_ARGS = ("--draft-layers", "1", "--max-anchors", "24", "--anchor-density", "0.1667", "--batch-tokens", "768",
+TRAIN_ARGS = ("--draft-layers", "1", "--max-anchors", "24", "--anchor-density", str(1 / 6), "--batch-tokens", "768",
               "--num-workers", "1", "--eval-fraction", "0.15", "--eval-sequences", "6", "--mixed-precision", "no")
 
 

@@ -13,7 +13,9 @@ from tests.conftest import built_once, make_conversations, run_dflash, step_reco
 # Small and fast on 2 CPU cores, but the real model, data path, loss and loop. The anchor rule is the one these
 # tests' times and thresholds were set with (1/6 of the positions; the default was 1/6 until 2026-12-06, now every
 # position up to --max-anchors: with it, the learning test's 3 live prompts of 24 tokens accepted nothing once).
-TRAIN_ARGS = ("--draft-layers", "1", "--max-anchors", "24", "--anchor-density", "0.1667", "--batch-tokens", "2304",
+TEST_ANCHOR_DENSITY = 1 / 6
+TRAIN_ARGS = ("--draft-layers", "1", "--max-anchors", "24", "--anchor-density", str(TEST_ANCHOR_DENSITY),
+              "--batch-tokens", "2304",
               "--num-workers", "1",
               "--eval-fraction", "0.05", "--eval-sequences", "6", "--test-fraction", "0.1", "--mixed-precision", "no")
 # The validation (hash < 0.05) and test (0.05 <= hash < 0.15) splits: the training split is the one of a run that

@@ -28,7 +28,7 @@ from dflash.stage2_train.draft_config import DFlashConfig
 from dflash.stage2_train.export import load_draft
 from dflash.stage2_train.target_parts import load_target_parts, resolve_mask_token
 from tests.conftest import REPO, assert_same_training, run_dflash, step_records
-from tests.stage2_train.conftest import SPLIT, TRAIN_ARGS, final_losses
+from tests.stage2_train.conftest import SPLIT, TEST_ANCHOR_DENSITY, TRAIN_ARGS, final_losses
 
 REFERENCE_LAYER_KEYS = [
     "input_layernorm.weight", "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -192,7 +192,7 @@ def test_a_run_without_a_test_split_evaluates_its_validation_split_and_resumes_o
     validation split. --resume refuses split flags other than the run's, and a run whose train_options.json does
     not record them, with one line (as does eval)."""
     from dflash.stage2_train.evaluate import heldout_prompts
-    from dflash.stage2_train.run_setup import keep_recorded_split
+    from dflash.stage2_train.run_setup import keep_recorded_plan
 
     run = tmp_path / "run"
     args = ("--max-steps", "1", "--eval-every", "0", *TRAIN_ARGS)
@@ -201,17 +201,24 @@ def test_a_run_without_a_test_split_evaluates_its_validation_split_and_resumes_o
     prompts, split = heldout_prompts(run / "export", 2, 8)
     validation = list(eval_sequences(CacheIndex.from_cache(train_cache, SPLIT[0], 0), 2))
     assert split == "validation" and [p.id for p in prompts] == [s["sample_id"] for s in validation]
-    with pytest.raises(UserError, match="split its cache otherwise:\n  --eval-fraction: the run has 0.05, this "
-                                        "command gives 0.2\nresume with the flags it was started with"):
-        keep_recorded_split(TrainOptions(cache=train_cache, out=run, resume=True, eval_fraction=0.2,
-                                         test_fraction=0.0), RunFiles(run))
+    recorded = dict(cache=train_cache, out=run, resume=True, test_fraction=0.0, max_anchors=24,
+                    anchor_density=TEST_ANCHOR_DENSITY)  # the run's TRAIN_ARGS
+    keep_recorded_plan(TrainOptions(**recorded), RunFiles(run))  # its own flags: resumed
+    with pytest.raises(UserError, match="split its cache or drew its anchors otherwise:\n  --eval-fraction: the run "
+                                        "has 0.05, this command gives 0.2\nresume with the flags it was started with"):
+        keep_recorded_plan(TrainOptions(**{**recorded, "eval_fraction": 0.2}), RunFiles(run))
+    # the anchor defaults changed on 2026-12-06: a run started with other anchors is not resumed with today's
+    with pytest.raises(UserError, match="drew its anchors otherwise:\n  --anchor-density: the run has "
+                                        f"{TEST_ANCHOR_DENSITY}, this command gives 1.0\n  --max-anchors: the run has "
+                                        "24, this command gives 64\n"):
+        keep_recorded_plan(TrainOptions(cache=train_cache, out=run, resume=True, test_fraction=0.0), RunFiles(run))
     options = json.loads((run / "train_options.json").read_text())
     del options["test_fraction"]
     (run / "train_options.json").write_text(json.dumps(options))
     unrecorded = f"{run / 'train_options.json'} does not record test_fraction: this dflash cannot go on with or " \
         f"evaluate the run in {run}; train it afresh"
     with pytest.raises(UserError, match=re.escape(unrecorded)):
-        keep_recorded_split(TrainOptions(cache=train_cache, out=run, resume=True, test_fraction=0.0), RunFiles(run))
+        keep_recorded_plan(TrainOptions(cache=train_cache, out=run, resume=True, test_fraction=0.0), RunFiles(run))
     with pytest.raises(UserError, match=re.escape(unrecorded)):
         heldout_prompts(run / "export", 2, 8)
 

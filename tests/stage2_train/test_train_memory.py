@@ -19,10 +19,9 @@ from dflash.stage2_train.cache_index import CacheIndex
 from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig
 from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch
-from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY
 from tests.conftest import REPO, run_dflash
 from tests.faults import OOM_SEQUENCES_ENV, fault_env
-from tests.stage2_train.conftest import TRAIN_ARGS, final_losses
+from tests.stage2_train.conftest import TEST_ANCHOR_DENSITY, TRAIN_ARGS, final_losses
 
 
 def test_default_flags_train_and_report_the_memory_plan(train_cache: Path, tmp_path: Path) -> None:
@@ -62,7 +61,7 @@ def test_memory_plan_splits_micro_batches_to_the_same_losses_or_refuses(train_ca
     config = DFlashConfig.from_dict(json.loads((unconstrained_run / "draft_config.json").read_text()))
     shape = mp.DrafterShape.of(config, sum(p.numel() for p in training_drafter(config).parameters()), 4)
     index = CacheIndex.from_cache(train_cache, 0.15, 0)
-    rule = AnchorRule(DEFAULT_ANCHOR_DENSITY, 24, 16)
+    rule = AnchorRule(TEST_ANCHOR_DENSITY, 24, 16)  # the rule of the runs' TRAIN_ARGS
     need = lambda samples: int(mp.step_bytes(shape, sum(s.length for s in samples),  # noqa: E731
                                              int(rule.count([s.n_anchor_candidates for s in samples]).sum())))
     single = max(need([s]) for s in index.train)
