@@ -4,7 +4,7 @@
 Recipe (the GPU machine, one H100; about 4 minutes, most of it the dynamic path of part a):
 
     python benchmarks/bench_eval_decode.py --out benchmarks/results/eval_decode_h100 [--draft RUN/export]
-        [--compile-drafter] [--phases]
+        [--compile-drafter] [--compile-target] [--phases]
 
 (a) ``smollm2``: SmolLM2-135M-Instruct (the embedded default target, bf16) with the drafter export --draft, or
     without one a random-weight drafter of the shape `dflash train` builds by default (speed only: its tau is about
@@ -20,7 +20,7 @@ Recipe (the GPU machine, one H100; about 4 minutes, most of it the dynamic path 
     forwards: tau * t_decode / (t_verify + t_draft); loop: tau * t_plain_step / t_speculative_step (its measured
     step at tau about 1 includes the loop's own overhead).
 
-Two opt-in parts (issue 31: speedup >= 0.7 x tau):
+Three opt-in parts (issue 31: speedup >= 0.7 x tau):
 --compile-drafter adds the path ``static+compiled-drafter``: the fast path with the drafter's block forward compiled
     by torch.compile before its CUDA graph is captured (`modeling_dflash.COMPILE_DRAFTER`; `dflash eval`'s default
     with CUDA graphs since it was measured here on 2026-12-06, while this benchmark's ``static`` path keeps the
@@ -28,6 +28,12 @@ Two opt-in parts (issue 31: speedup >= 0.7 x tau):
     loops, and in b the drafter block forward alone as ``draft_block_compiled``), beside the default in the same run:
     ``compiled_over_static`` (speculative tokens/s and time per step), ``compiled_agrees_with_static`` (prompts with
     equal tokens), and the compile time in ``warmup_seconds``.
+--compile-target adds the path ``static+compiled-target`` in part a (its loops, plain and speculative): the fast path
+    with the drafter's block forward and the target's fixed-width forwards (the verify block, the one-token step)
+    compiled before their CUDA graphs are captured (`modeling_dflash.COMPILE_TARGET`, opt-in and not yet measured),
+    beside the other paths, which keep their meaning: ``compiled_target_over_static`` (tokens/s and time per step,
+    plain and speculative), ``compiled_target_agrees_with_static`` (prompts with equal tokens, plain and
+    speculative), and the compile time in ``warmup_seconds``.
 --phases (part a, CUDA only; skipped on CPU): the fast path(s) decode the prompts again with CUDA events around the
     loop's calls (patched inside this benchmark only) and report per step after the prefill the GPU-timeline ms of
     draft / verify / accept (with its read-back) / extend, of the plain step's forward / pick, each step's total (the
@@ -69,6 +75,7 @@ from dflash.stage2_train.target_parts import scaled_embedding  # noqa: E402
 
 PATHS = ("dynamic", "static")  # "static" = the fast path (CUDA graphs on a GPU)
 COMPILED = "static+compiled-drafter"  # the fast path with the drafter's block forward compiled (--compile-drafter)
+BOTH_COMPILED = "static+compiled-target"  # the drafter's block and the target's fixed-width forwards compiled
 TAUS = (3.0, 4.0, 6.0)
 DRAFT_LAYERS = ExtractOptions.draft_layers  # `dflash extract`'s default: 5 captured layers, 5 drafter layers
 
@@ -91,14 +98,15 @@ def random_drafter(target: torch.nn.Module, mask_token_id: int, device: torch.de
 
 
 @contextmanager
-def drafter_compiled(path: str) -> Iterator[None]:
-    """`loop.COMPILE_DRAFTER` on for the COMPILED path, off for the others (restored after)."""
-    saved = loop.COMPILE_DRAFTER
-    loop.COMPILE_DRAFTER = path == COMPILED
+def compiled_parts(path: str) -> Iterator[None]:
+    """`loop.COMPILE_DRAFTER` on for the COMPILED and BOTH_COMPILED paths, `loop.COMPILE_TARGET` on for BOTH_COMPILED,
+    both off for the others (restored after)."""
+    saved = loop.COMPILE_DRAFTER, loop.COMPILE_TARGET
+    loop.COMPILE_DRAFTER, loop.COMPILE_TARGET = path in (COMPILED, BOTH_COMPILED), path == BOTH_COMPILED
     try:
         yield
     finally:
-        loop.COMPILE_DRAFTER = saved
+        loop.COMPILE_DRAFTER, loop.COMPILE_TARGET = saved
 
 
 def decode_mode(path: str) -> str:
@@ -126,12 +134,13 @@ def decoders(target: torch.nn.Module, draft: loop.DFlashDraftModel,
     layer_ids = draft.target_layer_ids
 
     def speculative(ids: list[int], n: int, path: str) -> loop.SpecResult:
-        with drafter_compiled(path):
+        with compiled_parts(path):
             return loop.speculative_generate(target, draft, embed, head, ids, layer_ids, n, [],
                                              decode=decode_mode(path), capacity=capacity)
 
     def plain(ids: list[int], n: int, path: str) -> loop.SpecResult:
-        return greedy_generate(target, ids, n, [], decode=decode_mode(path), capacity=capacity)
+        with compiled_parts(path):  # the target's one-token step is compiled on BOTH_COMPILED
+            return greedy_generate(target, ids, n, [], decode=decode_mode(path), capacity=capacity)
 
     return speculative, plain
 
@@ -176,6 +185,13 @@ def decode_all(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompts: l
             / out["static"]["dflash"]["seconds_per_step"]}
         out["compiled_agrees_with_static"] = sum(a.tokens == b.tokens for a, b in zip(runs["static"]["dflash"],
                                                                                       runs[COMPILED]["dflash"]))
+    if BOTH_COMPILED in paths:
+        out["compiled_target_over_static"] = {
+            f"{method}_{measure}": out[BOTH_COMPILED][method][measure] / out["static"][method][measure]
+            for method in ("plain", "dflash") for measure in ("tokens_per_second", "seconds_per_step")}
+        out["compiled_target_agrees_with_static"] = {
+            method: sum(a.tokens == b.tokens for a, b in zip(runs["static"][method], runs[BOTH_COMPILED][method]))
+            for method in ("plain", "dflash")}
     out["prompts"] = len(prompts)
     out["new_tokens"] = new_tokens
     return out
@@ -276,9 +292,10 @@ def bench_smollm2(args: argparse.Namespace, device: torch.device) -> dict[str, A
         drafter_name = f"random weights, {DRAFT_LAYERS} layers, block {DEFAULT_BLOCK_SIZE} (speed only)"
     prompts = [tokenize_prompt(tokenizer, p.messages) for p in load_prompts("mtbench", args.prompts)]
     capacity = max(map(len, prompts)) + args.new_tokens + draft.block_size
-    result = decode_all(target, draft, prompts, args.new_tokens, capacity, bench_paths(args))
+    paths = (*bench_paths(args), BOTH_COMPILED) if args.compile_target else bench_paths(args)
+    result = decode_all(target, draft, prompts, args.new_tokens, capacity, paths)
     if args.phases:
-        fast = tuple(p for p in bench_paths(args) if p != "dynamic")
+        fast = tuple(p for p in paths if p != "dynamic")
         result["phases_ms"] = (phase_times(target, draft, prompts, args.new_tokens, capacity, fast)
                                if device.type == "cuda" else "skipped: CUDA only")
     return {"target": resolved.display_name, "drafter": drafter_name, "block_size": draft.block_size,
@@ -311,7 +328,7 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     forwards: dict[str, float] = {}
     with torch.inference_mode():
         verifier = loop.target_runner(target, layer_ids, capacity, "static")
-        with drafter_compiled("static"):  # the eager block (draft_block); the compiled one below (draft_block_compiled)
+        with compiled_parts("static"):  # the eager block (draft_block); the compiled one below (draft_block_compiled)
             drafter = loop.draft_runner(draft, embed, head, 1.0, capacity, "static")
         with verifier.hooked():
             _, features = verifier.forward(prompt, 0, last_only=True)
@@ -331,7 +348,7 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
             forwards["verify_block"] = median_seconds(verify, args.repeats)
             forwards["draft_block"] = median_seconds(propose, args.repeats)
             if args.compile_drafter:
-                with drafter_compiled(COMPILED):
+                with compiled_parts(COMPILED):
                     compiled = loop.draft_runner(draft, embed, head, 1.0, capacity, "static")
                 compiled.extend(features)
 
@@ -385,6 +402,9 @@ def main() -> None:
                         help=f"also run the fast path with the drafter's block forward compiled ({COMPILED}: "
                              "modeling_dflash.COMPILE_DRAFTER, eval's default with CUDA graphs) beside the static path with "
                              "the eager drafter block, in one run")
+    parser.add_argument("--compile-target", action="store_true",
+                        help=f"part a: also run the fast path with the drafter's block and the target's fixed-width "
+                             f"forwards compiled ({BOTH_COMPILED}: modeling_dflash.COMPILE_TARGET, opt-in)")
     parser.add_argument("--phases", action="store_true",
                         help="part a: GPU ms per step of draft / verify / accept / extend and of the plain step "
                              "(CUDA only)")

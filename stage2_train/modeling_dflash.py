@@ -48,7 +48,8 @@ position back; the drafter keeps its projected context in a preallocated buffer 
 forward over it (rows past the context masked); the verify block, the one-token step of plain decoding and the
 drafter block are captured once as CUDA graphs (`GraphedForward`) and replayed; the greedy acceptance runs on the
 device with one read-back per step. Hybrid recurrent targets keep the dynamic path (`static_unsupported`). Where
-graphs are captured, the drafter's block forward is compiled by torch.compile first (`COMPILE_DRAFTER`).
+graphs are captured, the drafter's block forward is compiled by torch.compile first (`COMPILE_DRAFTER`); the
+target's fixed-width forwards are compiled too only where `COMPILE_TARGET` asks for it (opt-in, not yet measured).
 
 Cache cropping: transformers >= 5.15 `Cache.crop(n)` takes the number of tokens to remove as a negative integer and
 rejects a positive n (older versions read a positive n as the length to keep). `crop_cache(cache, keep)` therefore
@@ -686,6 +687,20 @@ def resolve_decode(decode: str, device: torch.device) -> tuple[bool, bool]:
     return static, static and device.type == "cuda"
 
 
+# Whether the static path compiles the target's fixed-width forwards (`TargetRunner._static_step` of the verify
+# block and of the one-token step; prefills stay eager) with torch.compile (fullgraph, static shapes, one compiled
+# function per width) before their CUDA graphs are captured, so the graphs replay Inductor's fused kernels instead
+# of the eager modules' (~1,350 kernels a SmolLM2-135M step on an H100, ~3.5 ms). Opt-in (False) until measured:
+# benchmarks/bench_eval_decode.py --compile-target compares it in one run. The layer-capturing hooks of `hooked()`
+# are traced into the compiled forward (no graph break on the llama and gemma3_text families).
+COMPILE_TARGET = False
+
+
+def compile_failure(error: Exception) -> str:
+    """One line for why torch.compile failed (Dynamo's messages run over many lines)."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+
+
 class TargetRunner:
     """Runs the target with its KV cache; captures the outputs of its decoder layers ``layer_ids`` through forward
     hooks (the raw layer outputs, as stage 1 caches them) while inside `hooked()`.
@@ -693,7 +708,8 @@ class TargetRunner:
     With ``capacity`` (the static path, see `static_unsupported`), the cache is a static one of that many positions:
     every forward writes at its start position (set on the device before the forward), attention masks are built
     from the positions, rollback only moves the write position back, and forwards of a fixed width (the verify
-    block, the one-token decode step) are replayed from CUDA graphs with ``graphs``. Prefills run eagerly."""
+    block, the one-token decode step) are replayed from CUDA graphs with ``graphs``, compiled first with
+    `COMPILE_TARGET`. Prefills run eagerly."""
 
     def __init__(self, target: nn.Module, layer_ids: Sequence[int] = (), capacity: int | None = None,
                  graphs: bool = False) -> None:
@@ -718,6 +734,10 @@ class TargetRunner:
         self._snapshot: dict[int, Any] | None = None  # recurrent layers as they were before the block being verified
         self._block_start = 0  # the cache length when that snapshot was taken
         self.path = "dynamic" if capacity is None else ("static+cuda-graphs" if graphs else "static")
+        # the fixed-width forwards are compiled (`COMPILE_TARGET`); `compile_failure` says why they fell back to eager
+        self.compiled = capacity is not None and COMPILE_TARGET
+        self.compile_failure: str | None = None
+        self._compiled_steps: dict[int, Callable[..., tuple[Tensor, Tensor | None]]] = {}  # width -> compiled step
 
     @contextmanager
     def hooked(self) -> Iterator[TargetRunner]:
@@ -811,7 +831,8 @@ class TargetRunner:
         graphed = self.graphs and not last_row
         forward = self._forwards.get((width, last_row))
         if forward is None:
-            forward = GraphedForward(lambda: self._static_step(buffer, last_row), graphed, self._pool)
+            step = (lambda: self._static_step(buffer, True)) if last_row else (lambda: self._fixed_step(buffer))
+            forward = GraphedForward(step, graphed, self._pool)
             if graphed:
                 self._forwards[(width, last_row)] = forward
         logits, features = forward()
@@ -836,14 +857,42 @@ class TargetRunner:
                 ~mask, torch.finfo(dtype).min) for name, mask in masks.items()}
         return masks if sliding else masks["full_attention"]
 
+    @property
+    def path_note(self) -> str:
+        """What the decode path's name adds for the target: ", compiled target" where its fixed-width forwards run
+        compiled, the reason where compilation fell back to eager."""
+        if self.compile_failure:
+            return f", target not compiled ({self.compile_failure})"
+        return ", compiled target" if self.compiled else ""
+
+    def _fixed_step(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """`_static_step` of a fixed-width input buffer (a verify block, a one-token step), compiled with
+        `COMPILE_TARGET`: compiled by its first call of each width (outside any graph capture: GraphedForward's
+        warm-up runs); a target torch.compile cannot take falls back to the eager forward, with the reason kept."""
+        if not self.compiled:
+            return self._static_step(ids, False)
+        width = int(ids.shape[1])
+        compiled = self._compiled_steps.get(width)
+        if compiled is not None:
+            return compiled(ids, False)
+        compiled = torch.compile(self._static_step, fullgraph=True, dynamic=False)
+        try:
+            outputs = compiled(ids, False)
+        except Exception as error:  # noqa: BLE001 - any compiler failure; the eager forward computes the same
+            self.compiled, self.compile_failure = False, compile_failure(error)
+            self._compiled_steps.clear()
+            return self._static_step(ids, False)
+        self._compiled_steps[width] = compiled
+        return outputs
+
     def _static_step(self, ids: Tensor, last_only: bool) -> tuple[Tensor, Tensor | None]:
         """One forward of the input buffer ``ids`` [1, W] at positions start.. (``self._start``, on the device)
         through the static cache: device work only, so it can be captured."""
         positions = self._start + torch.arange(ids.shape[1], device=self.device)
         # transformers 5: a layer writes at its own counter; all set in one launch (a foreach copy), not one a layer.
-        counters = [counter for layer in getattr(self.cache, "layers", None) or []
-                    if isinstance(counter := getattr(layer, "cumulative_length", None), Tensor)
-                    and counter.device == self.device]
+        counters = [layer.cumulative_length for layer in getattr(self.cache, "layers", None) or []
+                    if isinstance(getattr(layer, "cumulative_length", None), Tensor)
+                    and layer.cumulative_length.device == self.device]  # no walrus: torch.compile traces this
         if counters:
             torch._foreach_copy_(counters, [self._start] * len(counters))
         kwargs: dict[str, Any] = {self._cache_kwarg: self.cache, "use_cache": True,
@@ -1062,8 +1111,7 @@ class DraftRunner:
         try:
             outputs = self._compiled_block()
         except Exception as error:  # noqa: BLE001 - any compiler failure; the eager forward computes the same
-            first_line = (str(error).strip().splitlines() or [""])[0][:200]  # Dynamo's messages run over many lines
-            self.compiled, self.compile_failure = False, f"{type(error).__name__}: {first_line}"
+            self.compiled, self.compile_failure = False, compile_failure(error)
             self._block_forward = self._eager_block
             return self._eager_block()
         self._block_forward = self._compiled_block
@@ -1261,7 +1309,7 @@ def target_runner(target: nn.Module, layer_ids: Sequence[int], needed: int, deco
         runner.path = f"dynamic (static unsupported: {reason})" if reason else "dynamic"
         return runner
     runners = target.__dict__.setdefault("_dflash_static_runners", {})
-    key = (tuple(layer_ids), graphs, str(device), next(target.parameters()).dtype)
+    key = (tuple(layer_ids), graphs, str(device), next(target.parameters()).dtype, COMPILE_TARGET)
     runner = runners.get(key)
     if runner is None or (runner.capacity or 0) < needed:
         runners.pop(key, None)
@@ -1366,4 +1414,4 @@ def speculative_generate(
         synchronize(runner.device)
         seconds = time.perf_counter() - started
     return SpecResult(tokens=tokens, accepted=accepted, steps=len(accepted), seconds=seconds,
-                      decode=runner.path + drafter.path_note)
+                      decode=runner.path + runner.path_note + drafter.path_note)

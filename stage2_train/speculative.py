@@ -63,7 +63,7 @@ def greedy_generate(
     synchronize(runner.device)
     seconds = time.perf_counter() - started
     return SpecResult(tokens=tokens, accepted=[0] * (len(tokens) - 1), steps=len(tokens) - 1, seconds=seconds,
-                      decode=runner.path)
+                      decode=runner.path + runner.path_note)
 
 
 @torch.inference_mode()
@@ -123,7 +123,8 @@ def prompt_lookup_generate(
         bonus = next_token
     synchronize(runner.device)
     seconds = time.perf_counter() - started
-    return SpecResult(tokens=tokens, accepted=accepted, steps=len(accepted), seconds=seconds, decode=runner.path)
+    return SpecResult(tokens=tokens, accepted=accepted, steps=len(accepted), seconds=seconds,
+                      decode=runner.path + runner.path_note)
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
