@@ -678,6 +678,31 @@ class GraphedForward:
         return outputs
 
 
+class CompiledForward:
+    """A fixed-shape function compiled by torch.compile (full graph, static shapes) on its first call, outside any
+    CUDA graph capture (`GraphedForward`'s warm-up runs), and called compiled from then on; a function torch.compile
+    cannot take runs eagerly instead, and ``failure`` says why in one line (Dynamo's messages run over many)."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.failure: str | None = None
+        self._compiled = torch.compile(function, fullgraph=True, dynamic=False)
+        self._call: Callable[..., Any] = self._first_call
+
+    def __call__(self, *args: Any) -> Any:
+        return self._call(*args)
+
+    def _first_call(self, *args: Any) -> Any:
+        try:
+            outputs = self._compiled(*args)
+        except Exception as error:  # noqa: BLE001 - any compiler failure; the eager function computes the same
+            self.failure = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+            self._call = self.function
+            return self.function(*args)
+        self._call = self._compiled
+        return outputs
+
+
 def resolve_decode(decode: str, device: torch.device) -> tuple[bool, bool]:
     """(static caches, CUDA graphs) for a `decode` mode: auto = static with graphs on CUDA, dynamic elsewhere;
     static = static caches, graphs on CUDA only; dynamic = transformers' DynamicCache, eager forwards."""
@@ -694,11 +719,6 @@ def resolve_decode(decode: str, device: torch.device) -> tuple[bool, bool]:
 # benchmarks/bench_eval_decode.py --compile-target compares it in one run. The layer-capturing hooks of `hooked()`
 # are traced into the compiled forward (no graph break on the llama and gemma3_text families).
 COMPILE_TARGET = False
-
-
-def compile_failure(error: Exception) -> str:
-    """One line for why torch.compile failed (Dynamo's messages run over many lines)."""
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 
 
 class TargetRunner:
@@ -734,10 +754,10 @@ class TargetRunner:
         self._snapshot: dict[int, Any] | None = None  # recurrent layers as they were before the block being verified
         self._block_start = 0  # the cache length when that snapshot was taken
         self.path = "dynamic" if capacity is None else ("static+cuda-graphs" if graphs else "static")
-        # the fixed-width forwards are compiled (`COMPILE_TARGET`); `compile_failure` says why they fell back to eager
-        self.compiled = capacity is not None and COMPILE_TARGET
+        # the fixed-width forwards are compiled (`COMPILE_TARGET`) while none failed to (`compile_failure`)
+        self._compile = capacity is not None and COMPILE_TARGET
         self.compile_failure: str | None = None
-        self._compiled_steps: dict[int, Callable[..., tuple[Tensor, Tensor | None]]] = {}  # width -> compiled step
+        self._compiled_steps: dict[int, CompiledForward] = {}  # width -> its compiled `_static_step`
 
     @contextmanager
     def hooked(self) -> Iterator[TargetRunner]:
@@ -858,6 +878,10 @@ class TargetRunner:
         return masks if sliding else masks["full_attention"]
 
     @property
+    def compiled(self) -> bool:
+        return self._compile and self.compile_failure is None
+
+    @property
     def path_note(self) -> str:
         """What the decode path's name adds for the target: ", compiled target" where its fixed-width forwards run
         compiled, the reason where compilation fell back to eager."""
@@ -866,23 +890,18 @@ class TargetRunner:
         return ", compiled target" if self.compiled else ""
 
     def _fixed_step(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
-        """`_static_step` of a fixed-width input buffer (a verify block, a one-token step), compiled with
-        `COMPILE_TARGET`: compiled by its first call of each width (outside any graph capture: GraphedForward's
-        warm-up runs); a target torch.compile cannot take falls back to the eager forward, with the reason kept."""
+        """`_static_step` of a fixed-width input buffer (a verify block, a one-token step), with `COMPILE_TARGET`
+        through a `CompiledForward` per width (compiled by its first call: GraphedForward's warm-up runs)."""
         if not self.compiled:
             return self._static_step(ids, False)
         width = int(ids.shape[1])
-        compiled = self._compiled_steps.get(width)
-        if compiled is not None:
-            return compiled(ids, False)
-        compiled = torch.compile(self._static_step, fullgraph=True, dynamic=False)
-        try:
-            outputs = compiled(ids, False)
-        except Exception as error:  # noqa: BLE001 - any compiler failure; the eager forward computes the same
-            self.compiled, self.compile_failure = False, compile_failure(error)
+        forward = self._compiled_steps.get(width)
+        if forward is None:
+            forward = self._compiled_steps[width] = CompiledForward(self._static_step)
+        outputs = forward(ids, False)
+        if forward.failure:  # one width that does not compile leaves every width eager
+            self.compile_failure = forward.failure
             self._compiled_steps.clear()
-            return self._static_step(ids, False)
-        self._compiled_steps[width] = compiled
         return outputs
 
     def _static_step(self, ids: Tensor, last_only: bool) -> tuple[Tensor, Tensor | None]:
@@ -1007,9 +1026,8 @@ class DraftRunner:
         self.context: Tensor | None = None  # projected [1, C, H]
         self.capacity = capacity
         self.length = 0  # context rows of the static buffer
-        # the static block forward is compiled (`COMPILE_DRAFTER`); `compile_failure` says why it fell back to eager
-        self.compiled = capacity is not None and (graphs if COMPILE_DRAFTER is None else COMPILE_DRAFTER)
-        self.compile_failure: str | None = None
+        # the static block forward: compiled (`COMPILE_DRAFTER`; CompiledForward) or eager
+        self._block_forward: Callable[[], tuple[Tensor, Tensor]] = self._eager_block
         if capacity is not None:
             self.context = torch.zeros((1, capacity, draft.config.hidden_size), dtype=self.dtype, device=self.device)
             self._start = torch.zeros((), dtype=torch.long, device=self.device)
@@ -1017,12 +1035,10 @@ class DraftRunner:
             self._masks = torch.full((1, self.block_size - 1), self.mask_token_id, dtype=torch.long,
                                      device=embed_weight.device)
             pool = torch.cuda.graph_pool_handle() if graphs else None
-            # Compiled lazily by its first call: GraphedForward's warm-up runs, before the capture records the
-            # compiled kernels (on CPU, without graphs: the first draft).
-            self._block_forward = self._eager_block
-            if self.compiled:
-                self._compiled_block = torch.compile(self._eager_block, fullgraph=True, dynamic=False)
-                self._block_forward = self._first_compiled_block
+            if graphs if COMPILE_DRAFTER is None else COMPILE_DRAFTER:
+                # compiled by its first call: GraphedForward's warm-up runs, before the capture records the compiled
+                # kernels (on CPU, without graphs: the first draft)
+                self._block_forward = CompiledForward(self._eager_block)
             self._block = GraphedForward(self._static_block, graphs, pool)
 
     @property
@@ -1034,6 +1050,16 @@ class DraftRunner:
     @property
     def graph_failure(self) -> str | None:
         return self._block.failure if self.capacity is not None else None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the static block forward runs compiled (`COMPILE_DRAFTER`, and it compiled)."""
+        return isinstance(self._block_forward, CompiledForward) and self._block_forward.failure is None
+
+    @property
+    def compile_failure(self) -> str | None:
+        """Why the block forward fell back to eager (None where it compiled or was never meant to)."""
+        return self._block_forward.failure if isinstance(self._block_forward, CompiledForward) else None
 
     @property
     def path_note(self) -> str:
@@ -1104,18 +1130,6 @@ class DraftRunner:
             return self._block_forward()
         finally:
             self.draft_model.attention = attention
-
-    def _first_compiled_block(self) -> tuple[Tensor, Tensor]:
-        """The first call of the compiled block forward, which compiles it (outside any graph capture: the warm-up
-        runs); a drafter torch.compile cannot take falls back to the eager forward, with the reason kept."""
-        try:
-            outputs = self._compiled_block()
-        except Exception as error:  # noqa: BLE001 - any compiler failure; the eager forward computes the same
-            self.compiled, self.compile_failure = False, compile_failure(error)
-            self._block_forward = self._eager_block
-            return self._eager_block()
-        self._block_forward = self._compiled_block
-        return outputs
 
     def _eager_block(self) -> tuple[Tensor, Tensor]:
         """`_static_block`'s device work (eager; `_block_forward` is this function or its compiled form)."""
