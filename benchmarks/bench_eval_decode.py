@@ -174,24 +174,21 @@ def decode_all(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompts: l
                                            for tau in TAUS}}
     out["fast_over_dynamic"] = {method: out["static"][method]["tokens_per_second"]
                                 / out["dynamic"][method]["tokens_per_second"] for method in ("plain", "dflash")}
-    out["paths_agree"] = {method: sum(a.tokens == b.tokens for a, b in zip(runs["dynamic"][method],
-                                                                           runs["static"][method]))
-                          for method in ("plain", "dflash")}
+    def agreeing(path: str, other: str, method: str) -> int:  # prompts whose tokens are equal on the two paths
+        return sum(a.tokens == b.tokens for a, b in zip(runs[path][method], runs[other][method]))
+
+    def over_static(path: str, methods: tuple[str, ...]) -> dict[str, float]:
+        return {f"{method}_{measure}": out[path][method][measure] / out["static"][method][measure]
+                for method in methods for measure in ("tokens_per_second", "seconds_per_step")}
+
+    out["paths_agree"] = {method: agreeing("dynamic", "static", method) for method in ("plain", "dflash")}
     if COMPILED in paths:
-        out["compiled_over_static"] = {
-            "dflash_tokens_per_second": out[COMPILED]["dflash"]["tokens_per_second"]
-            / out["static"]["dflash"]["tokens_per_second"],
-            "dflash_seconds_per_step": out[COMPILED]["dflash"]["seconds_per_step"]
-            / out["static"]["dflash"]["seconds_per_step"]}
-        out["compiled_agrees_with_static"] = sum(a.tokens == b.tokens for a, b in zip(runs["static"]["dflash"],
-                                                                                      runs[COMPILED]["dflash"]))
+        out["compiled_over_static"] = over_static(COMPILED, ("dflash",))
+        out["compiled_agrees_with_static"] = agreeing("static", COMPILED, "dflash")
     if BOTH_COMPILED in paths:
-        out["compiled_target_over_static"] = {
-            f"{method}_{measure}": out[BOTH_COMPILED][method][measure] / out["static"][method][measure]
-            for method in ("plain", "dflash") for measure in ("tokens_per_second", "seconds_per_step")}
-        out["compiled_target_agrees_with_static"] = {
-            method: sum(a.tokens == b.tokens for a, b in zip(runs["static"][method], runs[BOTH_COMPILED][method]))
-            for method in ("plain", "dflash")}
+        out["compiled_target_over_static"] = over_static(BOTH_COMPILED, ("plain", "dflash"))
+        out["compiled_target_agrees_with_static"] = {method: agreeing("static", BOTH_COMPILED, method)
+                                                     for method in ("plain", "dflash")}
     out["prompts"] = len(prompts)
     out["new_tokens"] = new_tokens
     return out
@@ -400,8 +397,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50, help="timed repeats of each single forward")
     parser.add_argument("--compile-drafter", action="store_true",
                         help=f"also run the fast path with the drafter's block forward compiled ({COMPILED}: "
-                             "modeling_dflash.COMPILE_DRAFTER, eval's default with CUDA graphs) beside the static path with "
-                             "the eager drafter block, in one run")
+                             "modeling_dflash.COMPILE_DRAFTER, eval's default with CUDA graphs) beside the static "
+                             "path with the eager drafter block, in one run")
     parser.add_argument("--compile-target", action="store_true",
                         help=f"part a: also run the fast path with the drafter's block and the target's fixed-width "
                              f"forwards compiled ({BOTH_COMPILED}: modeling_dflash.COMPILE_TARGET, opt-in)")
