@@ -296,6 +296,7 @@ def keep_recorded_plan(options: TrainOptions, files: RunFiles) -> None:
     made = {"--eval-fraction": record["eval_fraction"], "--test-fraction": record["test_fraction"],
             "--seed": record["seed"], "--anchor-density": record.get("anchor_density", options.anchor_density),
             "--max-anchors": record.get("max_anchors", options.max_anchors)}
+
     def differ(made_value: Any, value: Any) -> bool:  # --anchor-density may be None (every candidate)
         return (made_value is None) != (value is None) or (value is not None and float(made_value) != float(value))
 
