@@ -81,7 +81,8 @@
 # ~23 min at 3,680 tokens/s, ~16 min at the later chunks' pace (26 chunks, 13 rounds of 65 s, plus start-up and
 # compilation). A session leaves generation ~1,470 s (30 min less ~4 before and ~1.5 after), so one H200 session
 # should do it when the machine comes at once; a machine that comes late or is lost (the chunks in flight, 65-95 s
-# of work each, are lost at the time limit or with the machine) needs a second, short session. H100: not measured.
+# of work each, are lost at the time limit or with the machine) needs a second, short session. H100 (256 rows a batch:
+# GEN_BATCH_TOKENS below): not measured.
 # Size: all ~16,760 merged are ~10 MB as gzip (588 bytes a conversation; ~7 MB as xz). In the tree, that puts
 # calls 1 and 2 over 64 MiB (72.2 and 69.8 MiB with it, without the older files' removal): a second session before the
 # commit carries the file in .carry_c instead (cp it to .carry_c/carried.jsonl.gz; call 3 with
@@ -149,7 +150,12 @@ SITE=${SITE:-/tmp/site}
 SAMPLES=${SAMPLES:-4096}  # or all
 GEN_SECONDS=${GEN_SECONDS:-450}
 NEW_TOKENS=${NEW_TOKENS:-512}
-GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 2 --batch-tokens 1310720 --chunk-size 512 --static-cache}
+# 2 workers of 512 rows x 2,560 KV positions held 116,875 MiB on the H200 (h200_generate_static): a card with less
+# memory (the H100's ~80 GB) gets 256 rows a batch instead of halving after an out-of-memory error.
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+[[ "$gpu_mib" =~ ^[0-9]+$ ]] || gpu_mib=0
+GEN_BATCH_TOKENS=$(( gpu_mib > 120000 ? 1310720 : 655360 ))
+GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 2 --batch-tokens $GEN_BATCH_TOKENS --chunk-size 512 --static-cache}
 MAX_LENGTH=${MAX_LENGTH:-2048}
 TRAIN_SECONDS=${TRAIN_SECONDS:-540}  # or TRAIN_END, below
 TRAIN_MARGIN=${TRAIN_MARGIN:-120}  # seconds of it left for start-up, evaluations, checkpoints and the final export
