@@ -233,19 +233,15 @@ class GenerateRun:
     def _supervise(self, pending: list[tuple[str, Conversation]], config: _WorkerConfig) -> int:
         devices, _ = self._devices()
         chunk_size = self.options.chunk_size or (1024 if devices[0].startswith("cuda") else 32)
-        chunks = [pending[i:i + chunk_size] for i in range(0, len(pending), chunk_size)]
-        devices = devices[: len(chunks)]
+        chunk_count = -(-len(pending) // chunk_size)
+        devices = devices[:chunk_count]
         context = mp.get_context("spawn")
         tasks, events = context.Queue(), context.Queue()
-        for number, chunk in enumerate(chunks):
-            tasks.put((number, chunk))
-        for _ in devices:
-            tasks.put(None)
         settings = config.settings
         static = (f", static cache: {max(1, settings.batch_tokens // settings.cache_len)} rows x {settings.cache_len} "
                   "positions per batch" if settings.static_cache else "")
         log.info("generating %d conversations in %d chunk(s) with %d worker(s) on %s, token budget %d, "
-                 "up to %d new tokens per turn%s", len(pending), len(chunks), len(devices),
+                 "up to %d new tokens per turn%s", len(pending), chunk_count, len(devices),
                  ", ".join(sorted(set(devices))), settings.batch_tokens, settings.max_new_tokens, static)
         for worker_id, device in enumerate(devices):
             process = context.Process(target=_worker_main, args=(worker_id, device, config, tasks, events),
@@ -254,8 +250,17 @@ class GenerateRun:
             self.processes.append(process)
         previous = signal.signal(signal.SIGTERM, raise_interrupt)
         try:
-            skipped = self._announce_skipped([conversation for _, conversation in pending], settings)
-            return self._event_loop(len(chunks), len(pending) - skipped, events)
+            # Counted while the workers load the target; then the chunks, longest first prompts first, so that a
+            # chunk's (and a batch's) prompts are of similar length: less left padding, and with --static-cache a
+            # shorter KV cache for most batches (`GenerateSettings.batch_cache_len`). Ties keep the data order; the
+            # output is written in data order whatever the order of generation.
+            prompt_tokens, skipped = self._announce_skipped([conversation for _, conversation in pending], settings)
+            order = sorted(range(len(pending)), key=lambda i: -prompt_tokens[i])
+            for number in range(chunk_count):
+                tasks.put((number, [pending[i] for i in order[number * chunk_size:(number + 1) * chunk_size]]))
+            for _ in devices:
+                tasks.put(None)
+            return self._event_loop(chunk_count, len(pending) - skipped, events)
         except KeyboardInterrupt as interrupt:
             signum = interrupt_signal(interrupt)
             log.warning("interrupted (%s): stopping workers", signum.name)
@@ -269,16 +274,20 @@ class GenerateRun:
             events.close()
             signal.signal(signal.SIGTERM, previous)
 
-    def _announce_skipped(self, conversations: list[Conversation], settings: GenerateSettings) -> int:
+    def _announce_skipped(self, conversations: list[Conversation], settings: GenerateSettings
+                          ) -> tuple[list[int], int]:
         """Say how many conversations the workers will skip, and why, before any answer is generated (while the
-        workers load the target); returns that number (the progress counts the others)."""
+        workers load the target); returns each conversation's first prompt tokens (0 where it has none) and the
+        number skipped (the progress counts the others)."""
         end_tokens = end_of_turn_tokens(self.tokenizer)
         too_long: list[int] = []
+        prompt_tokens: list[int] = []
         nothing = 0
         for number, conversation in enumerate(conversations):
             if number % 1000 == 0:  # a heartbeat for `dflash status` while a large dataset is counted
                 self._write_run_status("running", {"samples_done": 0, "samples_total": len(conversations)})
             tokens = first_prompt_tokens(self.tokenizer, conversation)
+            prompt_tokens.append(tokens or 0)
             if tokens is None:
                 nothing += 1
             elif not prompt_fits(settings, tokens, end_tokens):
@@ -295,7 +304,7 @@ class GenerateRun:
                         nothing, len(conversations), SKIP_NOTHING)
         if too_long or nothing:
             log.info("generating answers for the other %d", len(conversations) - len(too_long) - nothing)
-        return len(too_long) + nothing
+        return prompt_tokens, len(too_long) + nothing
 
     def _event_loop(self, chunks: int, total: int, events: Any) -> int:
         progress = Progress(total, desc="generate")

@@ -17,6 +17,7 @@ import torch
 from dflash.shared import cache_format as cf
 from dflash.shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids
 from dflash.stage1_extract.conversations import Conversation, chat_token_ids
+from dflash.stage1_extract import regenerate as regenerate_module
 from dflash.stage1_extract.generate_run import read_finished, repair_part_file, sample_keys
 from dflash.stage1_extract.regenerate import (
     FINISH_CONTEXT,
@@ -25,6 +26,7 @@ from dflash.stage1_extract.regenerate import (
     ConversationRegenerator,
     GenerateSettings,
     end_of_turn_tokens,
+    first_prompt_tokens,
 )
 from dflash.stage1_extract.supervisor import Progress
 from dflash.stage1_extract.worker import SampleOutOfMemory
@@ -122,18 +124,26 @@ def test_static_cache_batches_give_the_default_answers(smollm2_fp32: tuple[Any, 
     # 3 rows of 522 cache positions: batches of 3, 3 and 1 (+ 2 dummy rows) for the first answers
     settings = GenerateSettings(max_new_tokens=10, max_length=512, batch_tokens=3 * 522, static_cache=True)
     static = ConversationRegenerator(model, tokenizer, stops, settings)
+    # A small step, so that these short prompts' batches take KV caches of several lengths.
+    monkeypatch.setattr(regenerate_module, "STATIC_CACHE_STEP", 32)
     shapes: list[tuple[int, ...]] = []
+    cache_lengths: list[int] = []
     generate = model.generate
 
     def recording_generate(*args: Any, **kwargs: Any) -> Any:
-        shapes.append(tuple(kwargs["input_ids"].shape[:1]))
-        assert kwargs["generation_config"].cache_implementation == "static"
-        assert kwargs["generation_config"].max_cache_len == 522
+        rows, width = kwargs["input_ids"].shape
+        config = kwargs["generation_config"]
+        shapes.append((rows,))
+        assert config.cache_implementation == "static"
+        # The batch's longest prompt and most new tokens, rounded up to the step (at most max-length + new tokens).
+        assert config.max_cache_len == min(522, -(-(width + config.max_new_tokens) // 32) * 32)
+        cache_lengths.append(config.max_cache_len)
         return generate(*args, **kwargs)
 
     monkeypatch.setattr(model, "generate", recording_generate)
     assert static.regenerate(pairs) == expected
     assert set(shapes) == {(3,)} and len(shapes) >= 3  # every batch has the same number of rows
+    assert len(set(cache_lengths)) > 1 and all(length % 32 == 0 for length in cache_lengths)
 
 
 def test_max_turns_ends_a_conversation_after_that_many_answers(smollm2_fp32: tuple[Any, Any, list[int]]) -> None:
@@ -253,6 +263,19 @@ def test_generate_output_feeds_extract(generated: Path, chat_jsonl: Path, tmp_pa
     again = run_dflash("generate", "--data", str(chat_jsonl), "--out", str(generated), *GENERATE_ARGS)
     assert again.returncode == 0 and "0 to go" in again.stderr, again.stderr[-2000:]
     assert (generated / "conversations.jsonl").read_bytes() == before
+
+
+def test_chunks_are_generated_longest_first_prompts_first(generated: Path) -> None:
+    """Each worker takes the chunks in queue order and writes them in that order: the first prompts' lengths never
+    grow along a part file (so batches hold prompts of similar length)."""
+    tokenizer = load_tokenizer(resolve_target(None).load_path)
+    lengths = {c.sample_id: first_prompt_tokens(tokenizer, c) for c in _conversations(14)}  # chat_jsonl's
+    parts = sorted((generated / "parts").glob("*.part"))
+    assert parts
+    for part in parts:
+        written = [lengths[json.loads(line)["id"]] for line in part.read_text().splitlines()]
+        assert written == sorted(written, reverse=True), part.name
+    assert len(set(lengths.values())) > 3  # the order is not trivially met
 
 
 def test_killed_generate_resumes_without_duplicates_or_losses(generated: Path, chat_jsonl: Path,
