@@ -238,8 +238,8 @@ class GenerateRun:
         context = mp.get_context("spawn")
         tasks, events = context.Queue(), context.Queue()
         settings = config.settings
-        static = (f", static cache: {max(1, settings.batch_tokens // settings.cache_len)} rows x {settings.cache_len} "
-                  "positions per batch" if settings.static_cache else "")
+        static = (f", static cache: {max(1, settings.batch_tokens // settings.cache_len)} rows x up to "
+                  f"{settings.cache_len} positions per batch" if settings.static_cache else "")
         log.info("generating %d conversations in %d chunk(s) with %d worker(s) on %s, token budget %d, "
                  "up to %d new tokens per turn%s", len(pending), chunk_count, len(devices),
                  ", ".join(sorted(set(devices))), settings.batch_tokens, settings.max_new_tokens, static)

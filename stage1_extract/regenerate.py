@@ -230,6 +230,15 @@ class ConversationRegenerator:
         """Rows of every static batch (the token budget may have been halved by an out-of-memory retry)."""
         return max(1, self.batch_tokens // self.settings.cache_len)
 
+    def _shape_text(self, batch: list[tuple[_Progress, list[int]]]) -> str:
+        """How a batch was laid out, for the log: rows, longest prompt and, with a static cache, its length."""
+        width = max(len(ids) for _, ids in batch)
+        if not self.settings.static_cache:
+            return f"longest prompt {width}"
+        needed = width + max(self._budget(ids) for _, ids in batch)
+        return (f"{max(len(batch), self._static_rows())} rows, longest prompt {width}, "
+                f"{self.settings.batch_cache_len(needed)} KV positions")
+
     def _budget(self, prompt: list[int]) -> int:
         return answer_budget(self.settings, len(prompt), self.end_tokens)
 
@@ -237,6 +246,7 @@ class ConversationRegenerator:
         """Generate one batch; on out-of-memory halve it and retry both halves, instead of dying."""
         counter = _TokenCounter([self._budget(ids) for _, ids in batch], self.stops,
                                 lambda tokens: self.report(0, tokens, 0))
+        started = time.monotonic()
         try:
             answers = self._generate(batch, counter)
         except RuntimeError as error:  # torch.OutOfMemoryError is one
@@ -261,6 +271,8 @@ class ConversationRegenerator:
             self._generate_with_backoff(batch[half:])
             return
         finished, tokens = 0, -counter.reported  # the batch's tokens, less those reported while it ran
+        log.info("batch of %d answers (%s): %d new tokens in %.1f s", len(batch), self._shape_text(batch),
+                 sum(count for _, count, _ in answers), time.monotonic() - started)
         for (state, _), (text, count, reason) in zip(batch, answers):
             state.messages.append({"role": "assistant", "content": text})
             state.next_index += 1

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +117,16 @@ def test_a_conversation_that_does_not_fit_alone_names_the_flags(smollm2_fp32: tu
     assert regenerator.oom_retries == 1  # the pair of conversations was halved once, then the first one alone failed
 
 
+def _summarize_results() -> Any:
+    spec = importlib.util.spec_from_file_location("dflash_summarize_results",
+                                                  REPO / "benchmarks" / "summarize_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_static_cache_batches_give_the_default_answers(smollm2_fp32: tuple[Any, Any, list[int]],
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+                                                      monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     model, tokenizer, stops = smollm2_fp32
     pairs = [(c.sample_id, c) for c in _conversations(7)]
     default = ConversationRegenerator(model, tokenizer, stops,
@@ -141,9 +152,24 @@ def test_static_cache_batches_give_the_default_answers(smollm2_fp32: tuple[Any, 
         return generate(*args, **kwargs)
 
     monkeypatch.setattr(model, "generate", recording_generate)
-    assert static.regenerate(pairs) == expected
+    log_file = tmp_path / "generate.log"
+    handler, logger = logging.FileHandler(log_file), logging.getLogger("dflash.regenerate")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        records = static.regenerate(pairs)
+    finally:
+        logger.setLevel(level)
+        logger.removeHandler(handler)
+        handler.close()
+    assert records == expected
     assert set(shapes) == {(3,)} and len(shapes) >= 3  # every batch has the same number of rows
     assert len(set(cache_lengths)) > 1 and all(length % 32 == 0 for length in cache_lengths)
+    # The log's batch lines give benchmarks/summarize_results.py each KV length's batches and new tokens.
+    by_length = _summarize_results().summarize(tmp_path)["generate_batches"]["generate.log"]
+    assert {int(k): v["batches"] for k, v in by_length.items()} == Counter(cache_lengths)
+    assert sum(v["new_tokens"] for v in by_length.values()) == sum(r["dflash"]["generated_tokens"] for r in records)
 
 
 def test_max_turns_ends_a_conversation_after_that_many_answers(smollm2_fp32: tuple[Any, Any, list[int]]) -> None:
