@@ -85,6 +85,7 @@ class TrainingRun:
     embed: torch.Tensor  # frozen, on the device, in the compute dtype
     lm_head: torch.Tensor
     position_weights: torch.Tensor  # [block_size] loss weight per block offset
+    host_position_weights: torch.Tensor  # the same on the CPU (the step's loss normaliser from the host's labels)
     bucket_multiple: int  # packed lengths are rounded up to a multiple of at least this (`packed_batches.bucket`)
     steps_per_epoch: int
     total_steps: int
@@ -192,6 +193,8 @@ def setup_run(options: TrainOptions) -> TrainingRun:
         embed=parts.embed_tokens.to(device, compute_dtype), lm_head=parts.lm_head.to(device, compute_dtype),
         position_weights=position_weights(options.block_size, options.gamma or default_gamma(options.block_size),
                                           device=device),
+        host_position_weights=position_weights(options.block_size,
+                                               options.gamma or default_gamma(options.block_size)),
         bucket_multiple=128 if device.type == "cuda" else 16, steps_per_epoch=0, total_steps=0, lock=lock,
         target_init=target_init)
     # Each epoch packs a new shuffle into token-budget micro-batches, so epochs differ in step count.

@@ -153,14 +153,25 @@ def step_batches(run: TrainingRun) -> Iterator[list[dict[str, Any]]]:
         run.state.position = 0
 
 
+def step_parts(run: TrainingRun, loader_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This rank's loader batches of a global step as the micro-batches of the memory plan, still on the host: each
+    batch itself, or its sequences split into parts that each fit; each with its step inputs (`STEP_INPUTS`: the
+    loader's workers built a whole batch's, a part of a split batch builds its own here)."""
+    assert run.memory is not None
+    parts = []
+    for batch in loader_batches:
+        ranges = run.memory.parts(batch["lengths"].numpy(), sequence_blocks(batch))
+        for part in split_packed_batch(batch, ranges, run.bucket_multiple):
+            if STEP_INPUTS not in part:
+                part[STEP_INPUTS] = packed_step_inputs(part, run.options.block_size, run.mask_token_id)
+            parts.append(part)
+    return parts
+
+
 def micro_batches(run: TrainingRun, batch: dict[str, Any],
                   feature_transform: FeatureTransform | None = None) -> list[MicroBatch]:
-    """A packed loader batch as the micro-batches of the memory plan: itself, or its sequences split into parts
-    that each fit (accumulated by `train_step` like any other micro-batches of the step)."""
-    assert run.memory is not None
-    ranges = run.memory.parts(batch["lengths"].numpy(), sequence_blocks(batch))
-    return [micro_batch_inputs(run, part, feature_transform)
-            for part in split_packed_batch(batch, ranges, run.bucket_multiple)]
+    """A packed loader batch as the micro-batches of the memory plan, all on the device (`step_parts`)."""
+    return [micro_batch_inputs(run, part, feature_transform) for part in step_parts(run, [batch])]
 
 
 # Whether the trainer's inputs built on the CPU are pinned before their copy to a CUDA device (`to_device`); False
@@ -192,7 +203,8 @@ def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
     """A packed loader batch (CPU) -> the micro-batch on the device: its layout, labels, label positions and top-k
     (`packed_step_inputs`) as the loader's workers built them, or built here where the batch has none (a part of a
     split batch, a loader not given the block size); features decoded on the device (after a copy of the stored
-    bytes only); every copy queued without a host wait (`to_device`)."""
+    bytes only); every copy queued without a host wait (`to_device`); the block count read on the host (`.numpy()`
+    refuses a device tensor, so it never waits for the device)."""
     device = run.device
     inputs = batch.get(STEP_INPUTS)
     if inputs is None:
@@ -208,7 +220,7 @@ def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
     return MicroBatch(features=features[None], block_ids=to_device(inputs["block_ids"], device),
                       labels=to_device(inputs["labels"], device),
                       layout=layout.map_tensors(lambda tensor: to_device(tensor, device)),
-                      sequences=len(batch["lengths"]), valid_blocks=int(layout.block_valid.sum()),
+                      sequences=len(batch["lengths"]), valid_blocks=int(layout.block_valid.numpy().sum()),
                       label_index=to_device(inputs["label_index"], device),
                       topk_ids=topk_ids, topk_logprobs=topk_logprobs)
 
@@ -270,16 +282,14 @@ def train_step(run: TrainingRun, loader_batches: list[dict[str, Any]],
     every micro-batch is already a single sequence, or where several processes train together (the others could
     not follow the retry), does it stop, in one line naming the flags."""
     while True:
-        micro = [part for batch in loader_batches for part in micro_batches(run, batch, feature_transform)]
-        try:
-            accumulated = accumulate_gradients(run, micro)
+        try:  # the copies to the device and the feature decoding can run out of memory too
+            accumulated = accumulate_parts(run, step_parts(run, loader_batches), feature_transform)
             break
         except RuntimeError as error:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(error):
                 raise
             reason = str(error).strip().splitlines()[0][:200]
         # Out of the except block, so that the failed step's tensors (held by the traceback) can be freed.
-        del micro
         run.optimizer.zero_grad(set_to_none=True)
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -336,20 +346,38 @@ class StepTally:
         self.block_tokens += micro.valid_blocks * self.correct.shape[0]
 
 
+def accumulate_parts(run: TrainingRun, parts: list[dict[str, Any]],
+                     feature_transform: FeatureTransform | None = None) -> StepTally:
+    """Forward and backward over this rank's micro-batches of a global step (`step_parts`, on the host), gradients
+    accumulated; returns what they add up to, for `update_weights`. Each part is copied to the device just before
+    its forward, so that one micro-batch's inputs are there at a time, as the memory plan budgets; the loss
+    normaliser is counted from the labels on the host."""
+    local_weight = sum(weight_sum(part[STEP_INPUTS]["labels"], run.host_position_weights) for part in parts)
+    return _accumulate(run, parts, to_device(local_weight, run.device),
+                       lambda part: micro_batch_inputs(run, part, feature_transform))
+
+
 def accumulate_gradients(run: TrainingRun, micro_batches: list[MicroBatch]) -> StepTally:
-    """Forward and backward over this rank's micro-batches of a global step, gradients accumulated; returns what
-    they add up to, for `update_weights`."""
-    accelerator = run.accelerator
+    """`accumulate_parts` over micro-batches already on the device (benchmarks/bench_train.py: one held in memory,
+    or a step's from the loader, where it makes no difference with one micro-batch a step)."""
     local_weight = sum(weight_sum(m.labels, run.position_weights) for m in micro_batches)
+    return _accumulate(run, micro_batches, local_weight, lambda micro: micro)
+
+
+def _accumulate(run: TrainingRun, items: list[Any], local_weight: Tensor,
+                to_micro_batch: Callable[[Any], MicroBatch]) -> StepTally:
+    accelerator = run.accelerator
     total_weight = accelerator.reduce(local_weight.detach().clone(), reduction="sum")
     tally = StepTally.empty(run.options.block_size, run.device)
-    for i, micro in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
+    for i, item in enumerate(items):
+        micro = to_micro_batch(item)
+        last = i == len(items) - 1
         with nullcontext() if last else accelerator.no_sync(run.model):
             loss, stats = forward_loss(run, micro, total_weight)
             # DDP averages gradients over processes; the loss is already globally normalised.
             accelerator.backward(loss * run.world)
         tally.add(loss, stats, micro)
+        del micro, loss, stats  # before the next micro-batch is copied in
     return tally
 
 

@@ -177,9 +177,11 @@ def collect(dataset: CacheBatches, num_workers: int) -> list[dict]:
 def same_batch(a: dict, b: dict) -> bool:
     keys = ("input_ids", "loss_mask", "lengths", "context_starts", "block_anchor", "block_sequence", "block_valid",
             "sample_keys")
+    inputs_a, inputs_b = a.get(packed_batches.STEP_INPUTS, {}), b.get(packed_batches.STEP_INPUTS, {})
     return (a["position"] == b["position"] and a.keys() == b.keys()
             and all(torch.equal(a[k], b[k]) for k in keys if k in a)
-            and torch.equal(a["features"].view(torch.int16), b["features"].view(torch.int16)))
+            and torch.equal(a["features"].view(torch.int16), b["features"].view(torch.int16))
+            and inputs_a.keys() == inputs_b.keys() and all(torch.equal(inputs_a[k], inputs_b[k]) for k in inputs_a))
 
 
 # ------------------------------------------------------------------------------------------------ index
@@ -463,6 +465,12 @@ def test_resume_yields_exactly_the_tail_without_reading_skipped_features(
     for workers in (2, 3):
         items = collect(CacheBatches(cache, epoch_plan, start, **options), workers)
         assert all(same_batch(a, b) for a, b in zip(items, full[start:])) and len(items) == len(full) - start
+    # With the step inputs built in the workers (what `dflash train` asks for), the resumed tail equals too.
+    with_inputs = {**options, "block_size": 4, "mask_token_id": 0}
+    full = collect(CacheBatches(cache, epoch_plan, **with_inputs), 0)
+    items = collect(CacheBatches(cache, epoch_plan, start, **with_inputs), 2)
+    assert all(packed_batches.STEP_INPUTS in item for item in items)
+    assert all(same_batch(a, b) for a, b in zip(items, full[start:])) and len(items) == len(full) - start
     assert collect(CacheBatches(cache, epoch_plan, len(epoch_plan), **options), 2) == []
 
 

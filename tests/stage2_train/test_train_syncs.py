@@ -36,7 +36,7 @@ def records(run: Path) -> list[dict[str, Any]]:
 
 
 def count_conversions(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
-    """Tensor-to-Python conversions made by trainer.py itself, inside the step (`accumulate_gradients` and
+    """Tensor-to-Python conversions made by trainer.py itself, inside the step (`accumulate_parts` and
     `update_weights`) and outside it."""
     seen: dict[str, list[str]] = {"step": [], "elsewhere": []}
     inside = [False]
@@ -50,7 +50,7 @@ def count_conversions(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
             return _original(self, *args)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    for name in ("accumulate_gradients", "update_weights"):
+    for name in ("accumulate_parts", "update_weights"):
         original = getattr(trainer, name)
 
         def in_step(*args: Any, _original: Any = original) -> Any:
