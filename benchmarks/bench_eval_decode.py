@@ -325,6 +325,7 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     forwards: dict[str, float] = {}
     with torch.inference_mode():
         verifier = loop.target_runner(target, layer_ids, capacity, "static")
+        verifier.compile_widths.add(block)  # as speculative_generate names its verify block
         with compiled_parts("static"):  # the eager block (draft_block); the compiled one below (draft_block_compiled)
             drafter = loop.draft_runner(draft, embed, head, 1.0, capacity, "static")
         with verifier.hooked():

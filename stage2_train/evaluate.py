@@ -65,6 +65,7 @@ from dflash.stage2_train.parity import (
 from dflash.stage2_train.target_parts import scaled_embedding
 from dflash.stage2_train.modeling_dflash import SpecResult, speculative_generate
 from dflash.stage2_train.speculative import (
+    PROMPT_LOOKUP_TOKENS,
     acceptance_by_position,
     first_difference,
     greedy_generate,
@@ -706,9 +707,10 @@ def run_eval(
     greedy = temperature == 0
     generator = torch.Generator(device="cpu").manual_seed(seed)
 
-    # Static buffers sized once for the longest prompt, so the warm-up captures the graphs every prompt reuses.
+    # Static buffers sized once for the longest prompt and the widest verify block (DFlash's, or prompt lookup's),
+    # so the warm-up captures the graphs every prompt reuses.
     capacity = max(len(p.ids or tokenize_prompt(tokenizer, p.messages)) for ps in prompts_by_dataset.values()
-                   for p in ps) + max_new_tokens + block_size
+                   for p in ps) + max_new_tokens + max(block_size, PROMPT_LOOKUP_TOKENS + 1)
 
     def dflash(ids: list[int], n: int) -> SpecResult:
         return speculative_generate(target, draft, embed, head, ids, layer_ids, n, stops, temperature=temperature,

@@ -265,6 +265,19 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         elif isinstance(module, Qwen3RotaryEmbedding):
             super()._init_weights(module)
 
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> DFlashDraftModel:
+        """Every cast (`.to(dtype)`, `.bfloat16()`, ...) as torch does it, except that the rotary frequencies stay
+        float32, as transformers builds them and training uses them: `dflash eval` casts the drafter to the target's
+        bf16 on a GPU, and a bf16 `inv_freq` puts the rotary angle ~1.2 rad off at distance 1,024 (head dim 128,
+        theta 1e6), so the drafter would attend over its context with positions it was not trained on."""
+        super()._apply(fn, recurse)
+        rotary = self.rotary_emb
+        if rotary.inv_freq.dtype != torch.float32 and rotary.inv_freq.device.type != "meta":
+            exact = type(rotary)(rotary.config)  # built as at construction: float32, on the CPU
+            for name in ("inv_freq", "original_inv_freq"):
+                setattr(rotary, name, getattr(exact, name).to(getattr(rotary, name).device))
+        return self
+
     def window(self, layer_type: str) -> int | None:
         """The sliding window of a layer type (None: full attention)."""
         if layer_type == "full_attention":
@@ -581,12 +594,15 @@ def target_decoder_layers(model: nn.Module) -> nn.ModuleList:
 # ---------------------------------------------------------------------------
 
 DECODE_MODES = ("auto", "dynamic", "static")
-STATIC_ROUNDING = 256  # static buffers hold a multiple of this many positions (so later prompts reuse them)
+STATIC_MIN_CAPACITY = 256  # the smallest static buffer, in positions
 
 
 def static_capacity(needed: int) -> int:
-    """The size of a static buffer that holds ``needed`` positions (rounded up, so graphs are reused)."""
-    return -(-needed // STATIC_ROUNDING) * STATIC_ROUNDING
+    """The size of a static buffer that holds ``needed`` positions: the next power of two (at least
+    STATIC_MIN_CAPACITY), so that a caller whose prompts grow (`spec_generate` without a capacity) rebuilds its
+    buffers, graphs and compiled drafter block a few times, not at every multiple of 256 (each new size is one more
+    torch.compile entry, and past its recompile limit, 8, the drafter block would run eagerly)."""
+    return max(STATIC_MIN_CAPACITY, 1 << max(0, needed - 1).bit_length())
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -669,7 +685,7 @@ class GraphedForward:
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 outputs = self.function()
-        except RuntimeError as error:
+        except Exception as error:  # noqa: BLE001 - any failure inside the capture: the function runs eagerly
             self.graphs, self.failure = False, f"CUDA graph capture failed: {error}"
             torch.cuda.synchronize()
             return self.function()
@@ -753,11 +769,15 @@ class TargetRunner:
         self.history: list[int] = []  # the token ids the cache holds, in order (for recomputation)
         self._snapshot: dict[int, Any] | None = None  # recurrent layers as they were before the block being verified
         self._block_start = 0  # the cache length when that snapshot was taken
-        self.path = "dynamic" if capacity is None else ("static+cuda-graphs" if graphs else "static")
+        self.static_unsupported: str | None = None  # why a dynamic runner was made where static was asked for
         # the fixed-width forwards are compiled (`COMPILE_TARGET`) while none failed to (`compile_failure`)
         self._compile = capacity is not None and COMPILE_TARGET
         self.compile_failure: str | None = None
         self._compiled_steps: dict[int, CompiledForward] = {}  # width -> its compiled `_static_step`
+        # The widths compiled with COMPILE_TARGET: the one-token step and the verify blocks a loop names (DFlash's
+        # block size); others (prompt lookup's 2..11) run eagerly in their graphs. Every width of every runner is
+        # one more entry of one code object, and past torch.compile's recompile limit (8) fullgraph compilation fails.
+        self.compile_widths: set[int] = {1}
 
     @contextmanager
     def hooked(self) -> Iterator[TargetRunner]:
@@ -829,6 +849,15 @@ class TargetRunner:
         """Why a CUDA graph capture failed (that forward then runs eagerly), or None."""
         return next((f.failure for f in self._forwards.values() if f.failure), None)
 
+    @property
+    def path(self) -> str:
+        """The decode path as it ran so far (read at the end of a generation: its captures happen during it)."""
+        if self.capacity is None:
+            return (f"dynamic (static unsupported: {self.static_unsupported})" if self.static_unsupported
+                    else "dynamic")
+        failure = self.graph_failure
+        return f"static ({failure})" if failure else ("static+cuda-graphs" if self.graphs else "static")
+
     def _static_forward(self, ids: Sequence[int] | Tensor, start: int, last_only: bool) -> tuple[Tensor, Tensor | None]:
         assert self.capacity is not None
         if start != self.length:
@@ -892,9 +921,9 @@ class TargetRunner:
     def _fixed_step(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
         """`_static_step` of a fixed-width input buffer (a verify block, a one-token step), with `COMPILE_TARGET`
         through a `CompiledForward` per width (compiled by its first call: GraphedForward's warm-up runs)."""
-        if not self.compiled:
-            return self._static_step(ids, False)
         width = int(ids.shape[1])
+        if not self.compiled or width not in self.compile_widths:
+            return self._static_step(ids, False)
         forward = self._compiled_steps.get(width)
         if forward is None:
             forward = self._compiled_steps[width] = CompiledForward(self._static_step)
@@ -1320,7 +1349,7 @@ def target_runner(target: nn.Module, layer_ids: Sequence[int], needed: int, deco
     reason = static_unsupported(target) if static else None
     if not static or reason:
         runner = TargetRunner(target, layer_ids)
-        runner.path = f"dynamic (static unsupported: {reason})" if reason else "dynamic"
+        runner.static_unsupported = reason
         return runner
     runners = target.__dict__.setdefault("_dflash_static_runners", {})
     key = (tuple(layer_ids), graphs, str(device), next(target.parameters()).dtype, COMPILE_TARGET)
@@ -1329,8 +1358,6 @@ def target_runner(target: nn.Module, layer_ids: Sequence[int], needed: int, deco
         runners.pop(key, None)
         runner = runners[key] = TargetRunner(target, layer_ids, static_capacity(needed), graphs)
     runner.reset()
-    failure = runner.graph_failure
-    runner.path = "static+cuda-graphs" if graphs and not failure else (f"static ({failure})" if failure else "static")
     return runner
 
 
@@ -1388,6 +1415,7 @@ def speculative_generate(
     stops = {int(t) for t in stop_token_ids}
     needed = max(len(prompt) + max_new_tokens + draft.block_size, capacity)
     runner = target_runner(target, layer_ids, needed, decode)
+    runner.compile_widths.add(draft.block_size)
     drafter = draft_runner(draft, embed_weight, lm_head_weight, embed_scale, needed, decode)
     tokens: list[int] = []
     accepted: list[int] = []

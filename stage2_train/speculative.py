@@ -66,13 +66,16 @@ def greedy_generate(
                       decode=runner.path + runner.path_note)
 
 
+PROMPT_LOOKUP_TOKENS = 10  # tokens prompt lookup proposes at most a step (a verify block holds one more)
+
+
 @torch.inference_mode()
 def prompt_lookup_generate(
     target: nn.Module,
     input_ids: Tensor | Sequence[int],
     max_new_tokens: int,
     stop_token_ids: Sequence[int],
-    num_tokens: int = 10,
+    num_tokens: int = PROMPT_LOOKUP_TOKENS,
     max_ngram: int = 2,
     decode: str = "auto",
     capacity: int = 0,

@@ -6,6 +6,8 @@ covers that. A compile takes ~5-10 s a width on 2 CPU cores, so the decoding tes
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -63,6 +65,11 @@ def test_the_compiled_target_decodes_as_the_eager_static_path(family_targets: di
         assert plain.decode == fast.decode == "static"
         assert plain_compiled.decode == fast_compiled.decode == "static, compiled target"
     assert len({t for plain, _ in results[False] for t in plain.tokens}) > 2  # not one repeated token
+    # Prompt lookup's verify blocks (2..11 tokens) run eagerly: only the one-token step and DFlash's block compile,
+    # so that the widths stay under torch.compile's recompile limit.
+    lookup = spec.prompt_lookup_generate(target, PROMPTS[0], 20, [2], decode="static")
+    assert lookup.tokens == results[True][0][0].tokens and lookup.decode == "static, compiled target"
+    assert any(a > 0 for a in lookup.accepted)  # it verified blocks wider than one token
     for layer_ids, widths in (([], [1]), (LAYER_IDS, [BLOCK])):
         runner = static_runner(target, layer_ids, compiled=True)
         assert runner.compiled and runner.compile_failure is None and sorted(runner._compiled_steps) == widths
@@ -84,6 +91,7 @@ def test_the_compiled_verify_block_gives_the_drafter_the_eager_features(family_t
         monkeypatch.setattr(loop, "COMPILE_TARGET", setting)
         pair[setting] = loop.TargetRunner(target, LAYER_IDS, capacity=64)
     assert pair[True].compiled and not pair[False].compiled
+    pair[True].compile_widths.add(BLOCK)  # as speculative_generate names its verify block
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (20,), generator=generator).tolist()
     features: dict[bool, list[torch.Tensor]] = {True: [], False: []}
@@ -142,3 +150,32 @@ def test_a_target_that_does_not_compile_falls_back_to_the_eager_forwards(family_
         runner = next(r for r in target.__dict__["_dflash_static_runners"].values()
                       if r.layer_ids == layer_ids and r.compile_failure)
         assert runner.compiled is False and not runner._compiled_steps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_cuda_graphs_of_the_compiled_target_equal_the_dynamic_path(family: str, fresh_dynamo: None, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU (float32), with COMPILE_TARGET: the compiled target's fixed-width forwards captured as CUDA graphs
+    give the dynamic path's tokens and acceptance, and plain decoding and prompt lookup through them the same tokens,
+    over prompts that reuse the captured graphs."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.shared.target_loading import resolve_target
+    from tests.end_to_end.families import build_family
+
+    folder = build_family(family, Path(resolve_target(None).load_path), tmp_path / family)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    draft = scaled(drafter(target, "dflash"), 0).cuda()
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    monkeypatch.setattr(loop, "COMPILE_TARGET", True)
+    for prompt in (*PROMPTS, list(range(50, 90))):
+        graphed = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="auto")
+        assert graphed.decode == "static+cuda-graphs, compiled target, compiled drafter"
+        eager = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="dynamic")
+        assert graphed.tokens == eager.tokens and graphed.accepted == eager.accepted
+        plain = spec.greedy_generate(target, prompt, 24, [2], decode="auto")
+        assert plain.decode == "static+cuda-graphs, compiled target" and plain.tokens == graphed.tokens
+        lookup = spec.prompt_lookup_generate(target, prompt, 24, [2], decode="auto")
+        assert lookup.tokens == plain.tokens
+    assert not counters["graph_break"]

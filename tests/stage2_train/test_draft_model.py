@@ -505,3 +505,21 @@ def test_a_drafter_config_matches_itself_and_not_another_embedding_scale() -> No
     assert config_differences(config, before, "the export") == []
     before["dflash_config"]["embed_scale"] = 8.0
     assert [line.split(":")[0] for line in config_differences(config, before, "the export")] == ["dflash_config"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cast_keeps_the_rotary_frequencies_in_float32(dtype: torch.dtype) -> None:
+    """`dflash eval` casts the drafter to the target's dtype; the rotary frequencies stay transformers' float32 ones
+    (a bf16 inv_freq puts far positions' angles off), while every weight takes the new dtype."""
+    model = make_model()
+    exact = model.rotary_emb.inv_freq.clone()
+    assert exact.dtype == torch.float32
+    cast = model.to(dtype)
+    assert cast is model and model.fc.weight.dtype == dtype
+    for name in ("inv_freq", "original_inv_freq"):
+        assert torch.equal(getattr(model.rotary_emb, name), exact), name
+    assert not torch.equal(exact.to(dtype).float(), exact)  # the cast alone would have changed them
+    positions = torch.arange(4096)[None]
+    cos, _ = model.rotary_emb(torch.zeros(1, 1, dtype=torch.float32), positions)
+    reference, _ = make_model().rotary_emb(torch.zeros(1, 1), positions)
+    assert torch.equal(cos, reference)
