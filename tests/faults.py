@@ -17,6 +17,7 @@ from typing import Any
 
 OOM_TOKENS_ENV = "DFLASH_FAKE_OOM_TOKENS"  # extract / generate: a forward over more tokens than N runs out
 OOM_SEQUENCES_ENV = "DFLASH_FAKE_OOM_SEQUENCES"  # train: a micro-batch of more than N sequences runs out
+OOM_COPY_SEQUENCES_ENV = "DFLASH_FAKE_OOM_COPY_SEQUENCES"  # train: likewise, while it is copied to the device
 FAULT_SITE = Path(__file__).resolve().parent / "fault_site"
 
 SetAttribute = Callable[[Any, str, Any], None]
@@ -90,6 +91,21 @@ def fail_training_micro_batches_over(sequences: int, set_attribute: SetAttribute
     set_attribute(Accelerator, "backward", failing_backward)
 
 
+def fail_training_copies_over(sequences: int, set_attribute: SetAttribute = setattr) -> None:
+    """A training micro-batch of more than `sequences` sequences runs out of memory while it is copied to the device
+    and its features decoded (`trainer.micro_batch_inputs`), before any forward of it."""
+    from dflash.stage2_train import trainer
+
+    micro_batch_inputs = trainer.micro_batch_inputs
+
+    def failing_copy(run: Any, batch: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if len(batch["lengths"]) > sequences:
+            raise _out_of_memory(f"{OOM_COPY_SEQUENCES_ENV}={sequences}, {len(batch['lengths'])} sequences")
+        return micro_batch_inputs(run, batch, *args, **kwargs)
+
+    set_attribute(trainer, "micro_batch_inputs", failing_copy)
+
+
 def install_from_environment() -> None:
     """Install the faults whose variables are set in this process's environment."""
     if os.environ.get(OOM_TOKENS_ENV):
@@ -97,3 +113,5 @@ def install_from_environment() -> None:
         fail_generation_over(int(os.environ[OOM_TOKENS_ENV]))
     if os.environ.get(OOM_SEQUENCES_ENV):
         fail_training_micro_batches_over(int(os.environ[OOM_SEQUENCES_ENV]))
+    if os.environ.get(OOM_COPY_SEQUENCES_ENV):
+        fail_training_copies_over(int(os.environ[OOM_COPY_SEQUENCES_ENV]))
