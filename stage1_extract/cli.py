@@ -207,10 +207,16 @@ def _extract(ctx: click.Context, kwargs: dict[str, object]) -> int:
                    "Default 1024 on GPU, 32 on CPU.")
 @click.option("--static-cache", is_flag=True,
               help="Fixed-shape batches: batch-tokens / (max-length + max-new-tokens) rows each, with a KV cache of "
-                   "max-length + max-new-tokens positions per row (the last batch filled with dummy rows). On CUDA "
-                   "transformers then compiles the decoding step once per worker (CUDA graphs), which removes the "
-                   "per-step host overhead that bounds small targets; the first batch waits for the compilation. "
-                   "Greedy answers are those of the default path up to floating-point near-ties.")
+                   "the batch's longest prompt + max-new-tokens positions per row, rounded up to a multiple of 512 "
+                   "(the last batch filled with dummy rows). On CUDA transformers then compiles the decoding step "
+                   "once per shape and worker (CUDA graphs), which removes the per-step host overhead that bounds "
+                   "small targets; the first batch of each shape waits for the compilation. Greedy answers are "
+                   "those of the default path up to floating-point near-ties.")
+@click.option("--continuous-batching", is_flag=True,
+              help="Generate through transformers' continuous batching (`generate_batch`: a paged KV cache sized "
+                   "from the free GPU memory, no padding, a finished answer's place taken by the next prompt at "
+                   "once); one worker per GPU. Greedy answers are those of the default path up to floating-point "
+                   "near-ties. Not yet measured against --static-cache on a GPU.")
 @click.option("--overwrite", is_flag=True, help="Discard an earlier output made with other settings.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug messages on the console.")
 def generate_command(**kwargs: object) -> None:
@@ -225,6 +231,12 @@ def generate_command(**kwargs: object) -> None:
     with other settings, or in use by another run), 130/143 interrupted (rerun to resume).
     """
     from dflash.stage1_extract.generate_run import run_generate
+
+    if kwargs["continuous_batching"] and kwargs["static_cache"]:
+        raise click.UsageError("--continuous-batching and --static-cache are two ways to batch: choose one")
+    if kwargs["continuous_batching"] and kwargs["workers_per_gpu"] != 1:
+        raise click.UsageError("--continuous-batching sizes its KV cache from the free memory of the GPU and schedules "
+                               "that GPU's prompts itself: use --workers-per-gpu 1")
 
     _run_supervised("generate", "rerun the same command to resume (finished conversations are kept)",
                     lambda: run_generate(GenerateOptions(**kwargs)))  # type: ignore[arg-type]

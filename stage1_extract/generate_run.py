@@ -187,7 +187,8 @@ class GenerateRun:
         on_gpu = devices[0].startswith("cuda")
         batch_tokens = opts.batch_tokens or (262144 if on_gpu else 16384)
         settings = GenerateSettings(**{**settings.identity(), "batch_tokens": batch_tokens,
-                                       "static_cache": opts.static_cache})
+                                       "static_cache": opts.static_cache,
+                                       "continuous_batching": opts.continuous_batching})
         config = _WorkerConfig(self.out_dir, target.load_path, stop_token_ids(target.load_path, tokenizer), settings,
                                self.log_file, threads, opts.verbose)
         self.tokenizer = tokenizer
@@ -239,7 +240,8 @@ class GenerateRun:
         tasks, events = context.Queue(), context.Queue()
         settings = config.settings
         static = (f", static cache: {max(1, settings.batch_tokens // settings.cache_len)} rows x up to "
-                  f"{settings.cache_len} positions per batch" if settings.static_cache else "")
+                  f"{settings.cache_len} positions per batch" if settings.static_cache else
+                  ", continuous batching" if settings.continuous_batching else "")
         log.info("generating %d conversations in %d chunk(s) with %d worker(s) on %s, token budget %d, "
                  "up to %d new tokens per turn%s", len(pending), chunk_count, len(devices),
                  ", ".join(sorted(set(devices))), settings.batch_tokens, settings.max_new_tokens, static)

@@ -63,5 +63,6 @@ class GenerateOptions:
     batch_tokens: int | None = None
     chunk_size: int | None = None
     static_cache: bool = False
+    continuous_batching: bool = False
     overwrite: bool = False
     verbose: bool = False

@@ -17,6 +17,11 @@ limit without an end-of-turn token ends the conversation there: later user turns
 this one. A prompt that no longer fits `max_length` ends it too (at its last answer); a conversation
 whose first prompt does not fit is skipped ("prompt_too_long").
 
+With `continuous_batching`, all prompts of a turn go to transformers' continuous batching (`generate_batch`) at
+once: a paged KV cache (sized from the free GPU memory on CUDA, from the token budget on CPU), no padding, and a
+finished answer's slot taken by the next prompt at once; each answer is cut to its own budget afterwards (the call
+takes one --max-new-tokens for all).
+
 Lengths are counted as `dflash extract` will count them: a conversation is the chat template's rendering, where each
 answer is closed by the template's end-of-turn tokens (`end_of_turn_tokens`), so an answer may take at most
 max_length - prompt - end-of-turn tokens, and a conversation generated with --max-length N is not truncated by an
@@ -57,6 +62,7 @@ class GenerateSettings:
     max_turns: int | None = None  # regenerate at most this many assistant turns; the conversation ends there
     batch_tokens: int = 65536  # rows x (longest prompt + max_new_tokens) per generate call
     static_cache: bool = False  # fixed-shape batches and KV cache (see the module docstring)
+    continuous_batching: bool = False  # transformers' generate_batch (see the module docstring)
 
     @property
     def cache_len(self) -> int:
@@ -220,6 +226,8 @@ class ConversationRegenerator:
         return [state.record() for state in states]
 
     def _plan(self, prompts: list[tuple[_Progress, list[int]]]) -> list[list[int]]:
+        if self.settings.continuous_batching:  # it schedules the prompts itself
+            return [list(range(len(prompts)))]
         if self.settings.static_cache:
             rows = self._static_rows()
             return [list(range(i, min(i + rows, len(prompts)))) for i in range(0, len(prompts), rows)]
@@ -233,6 +241,8 @@ class ConversationRegenerator:
     def _shape_text(self, batch: list[tuple[_Progress, list[int]]]) -> str:
         """How a batch was laid out, for the log: rows, longest prompt and, with a static cache, its length."""
         width = max(len(ids) for _, ids in batch)
+        if self.settings.continuous_batching:
+            return f"continuous batching, longest prompt {width}"
         if not self.settings.static_cache:
             return f"longest prompt {width}"
         needed = width + max(self._budget(ids) for _, ids in batch)
@@ -291,6 +301,8 @@ class ConversationRegenerator:
         """(text, generated tokens, finish reason) per row; `streamer` counts the tokens while they are made."""
         from transformers import GenerationConfig
 
+        if self.settings.continuous_batching:
+            return self._generate_continuous(batch)
         width = max(len(ids) for _, ids in batch)
         budgets = [self._budget(ids) for _, ids in batch]
         new_tokens = max(budgets)
@@ -315,16 +327,47 @@ class ConversationRegenerator:
             torch.manual_seed(_batch_seed(self.settings.seed, [state.key for state, _ in batch]))
         output = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                      generation_config=config, streamer=streamer)
-        answers = []
-        for row, budget in enumerate(budgets):
-            generated = output[row, width:width + budget].tolist()
-            stop_at = next((i for i, token in enumerate(generated) if token in self.stops), None)
-            if stop_at is not None:
-                content, reason, count = generated[:stop_at], FINISH_STOP, stop_at + 1
-            else:
-                content, reason, count = generated, FINISH_LENGTH, len(generated)
-            answers.append((self.tokenizer.decode(content, skip_special_tokens=True), count, reason))
-        return answers
+        return [self._answer(output[row, width:width + budget].tolist(), budget) for row, budget in enumerate(budgets)]
+
+    def _generate_continuous(self, batch: list[tuple[_Progress, list[int]]]) -> list[tuple[str, int, str]]:
+        """`_generate` through transformers' continuous batching (`generate_batch`). It logs a request's failure
+        (an out-of-memory error included) instead of raising: any failed or missing answer raises here."""
+        from transformers import GenerationConfig
+        from transformers import ContinuousBatchingConfig
+
+        budgets = [self._budget(ids) for _, ids in batch]
+        sampling = self.settings.temperature > 0
+        config = GenerationConfig(
+            max_new_tokens=max(budgets), do_sample=sampling,
+            temperature=self.settings.temperature if sampling else None, top_k=None, top_p=None,
+            eos_token_id=self.stops, pad_token_id=self.pad_id,
+        )
+        seed = _batch_seed(self.settings.seed, [state.key for state, _ in batch])
+        if self.device.type == "cuda":  # the cache from the free GPU memory (one worker per GPU)
+            batching = ContinuousBatchingConfig(seed=seed)
+        else:  # the token budget (transformers would size it from the machine's memory, and allocate it all)
+            page = 64
+            batching = ContinuousBatchingConfig(seed=seed, page_size=page, max_batch_tokens=min(4096, self.batch_tokens),
+                                                num_blocks=max(16, -(-self.batch_tokens // page)))
+        results = self.model.generate_batch(inputs=[ids for _, ids in batch], generation_config=config,
+                                            continuous_batching_config=batching, warmup=self.device.type == "cuda")
+        outputs = list(results.values())
+        failed = [output.error for output in outputs if output.error is not None]
+        if len(outputs) != len(batch) or failed:
+            reason = failed[0] if failed else f"{len(batch) - len(outputs)} answers missing"
+            raise RuntimeError(f"continuous batching failed for {len(failed) or len(batch) - len(outputs)} of "
+                               f"{len(batch)} prompts: {reason}")
+        return [self._answer(list(output.generated_tokens)[:budget], budget)
+                for output, budget in zip(outputs, budgets)]
+
+    def _answer(self, generated: list[int], budget: int) -> tuple[str, int, str]:
+        """(text, tokens counted, finish reason) of a row's new tokens (at most its budget): up to and through its
+        first stop token, or all of them when it has none (the token limit)."""
+        generated = generated[:budget]
+        stop_at = next((i for i, token in enumerate(generated) if token in self.stops), None)
+        if stop_at is not None:
+            return self.tokenizer.decode(generated[:stop_at], skip_special_tokens=True), stop_at + 1, FINISH_STOP
+        return self.tokenizer.decode(generated, skip_special_tokens=True), len(generated), FINISH_LENGTH
 
 
 def _batch_seed(seed: int, keys: list[str]) -> int:

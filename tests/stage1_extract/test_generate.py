@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from dflash.stage1_extract.regenerate import (
     MIN_ANSWER_TOKENS,
     ConversationRegenerator,
     GenerateSettings,
+    answer_budget,
     end_of_turn_tokens,
     first_prompt_tokens,
 )
@@ -170,6 +172,21 @@ def test_static_cache_batches_give_the_default_answers(smollm2_fp32: tuple[Any, 
     by_length = _summarize_results().summarize(tmp_path)["generate_batches"]["generate.log"]
     assert {int(k): v["batches"] for k, v in by_length.items()} == Counter(cache_lengths)
     assert sum(v["new_tokens"] for v in by_length.values()) == sum(r["dflash"]["generated_tokens"] for r in records)
+
+
+def test_continuous_batching_gives_the_default_answers(smollm2_fp32: tuple[Any, Any, list[int]]) -> None:
+    """transformers' continuous batching over every prompt of a turn at once gives the default path's answers, those
+    cut by --max-length below --max-new-tokens (prompts near the limit) included."""
+    model, tokenizer, stops = smollm2_fp32
+    pairs = [(c.sample_id, c) for c in _conversations(7)]
+    settings = GenerateSettings(max_new_tokens=10, max_length=90, batch_tokens=4096)
+    budgets = [answer_budget(settings, first_prompt_tokens(tokenizer, c), end_of_turn_tokens(tokenizer))
+               for _, c in pairs]
+    assert min(budgets) < settings.max_new_tokens <= max(budgets)
+    expected = ConversationRegenerator(model, tokenizer, stops, settings).regenerate(pairs)
+    continuous = ConversationRegenerator(model, tokenizer, stops, replace(settings, continuous_batching=True))
+    assert continuous.regenerate(pairs) == expected
+    assert {r["dflash"]["finish_reason"] for r in expected} >= {"length"}
 
 
 def test_max_turns_ends_a_conversation_after_that_many_answers(smollm2_fp32: tuple[Any, Any, list[int]]) -> None:
@@ -342,3 +359,8 @@ def test_generate_bad_inputs_give_clear_errors(tmp_path: Path) -> None:
     model = run_dflash("generate", "--model", str(tmp_path), "--out", str(tmp_path / "g2"))
     assert model.returncode == 2 and "Traceback" not in model.stderr, model.stderr[-2000:]
     assert os.path.exists(tmp_path / "g2" / "generate.log")  # the log exists before anything is loaded
+    for flags, message in ((("--continuous-batching", "--static-cache"), "choose one"),
+                           (("--continuous-batching", "--workers-per-gpu", "2"), "--workers-per-gpu 1")):
+        both = run_dflash("generate", "--out", str(tmp_path / "g3"), *flags)
+        assert both.returncode == 2 and message in both.stderr and "Traceback" not in both.stderr, both.stderr[-2000:]
+        assert not (tmp_path / "g3").exists()
