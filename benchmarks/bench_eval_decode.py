@@ -324,10 +324,10 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     forwards: dict[str, float] = {}
     with torch.inference_mode():
-        verifier = loop.target_runner(target, layer_ids, capacity, "static")
+        verifier = loop.target_runner(target, layer_ids, capacity, "static", planned=True)
         verifier.compile_widths.add(block)  # as speculative_generate names its verify block
         with compiled_parts("static"):  # the eager block (draft_block); the compiled one below (draft_block_compiled)
-            drafter = loop.draft_runner(draft, embed, head, 1.0, capacity, "static")
+            drafter = loop.draft_runner(draft, embed, head, 1.0, capacity, "static", planned=True)
         with verifier.hooked():
             _, features = verifier.forward(prompt, 0, last_only=True)
             drafter.extend(features)
@@ -347,7 +347,7 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
             forwards["draft_block"] = median_seconds(propose, args.repeats)
             if args.compile_drafter:
                 with compiled_parts(COMPILED):
-                    compiled = loop.draft_runner(draft, embed, head, 1.0, capacity, "static")
+                    compiled = loop.draft_runner(draft, embed, head, 1.0, capacity, "static", planned=True)
                 compiled.extend(features)
 
                 def propose_compiled() -> None:
@@ -355,7 +355,7 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
 
                 propose_compiled()  # warm-up: compile, then capture
                 forwards["draft_block_compiled"] = median_seconds(propose_compiled, args.repeats)
-        decoder = loop.target_runner(target, (), capacity, "static")
+        decoder = loop.target_runner(target, (), capacity, "static", planned=True)
         decoder.forward(prompt, 0, last_only=True)
 
         def decode_step() -> None:

@@ -222,20 +222,28 @@ def summarize(folder: Path) -> dict[str, Any]:
             if chunks:
                 summary.setdefault("generate_chunks", {})[name] = {"conversations_and_seconds": chunks}
             # Static-cache batches by their KV cache length (regenerate.py logs each batch): new tokens per second
-            # of batch time, so that one run compares its short and long caches on the same GPU.
+            # of batch time, so that one run compares its short and long caches on the same GPU. A worker's first
+            # batch of a length compiles its decoding step: counted apart (first_batches_s), not in the rate.
             by_length: dict[str, list[float]] = {}
-            for positions, tokens, seconds in re.findall(
-                    r"batch of \d+ answers \(\d+ rows, longest prompt \d+, (\d+) KV positions\): (\d+) new tokens in "
-                    r"([\d.]+) s", _text(data)):
-                totals = by_length.setdefault(positions, [0, 0, 0.0])
-                totals[0] += 1
-                totals[1] += int(tokens)
-                totals[2] += float(seconds)
+            seen: set[tuple[str, str]] = set()
+            for worker, positions, tokens, seconds in re.findall(
+                    r"\[(\S+) \d+\] dflash\.regenerate: batch of \d+ answers \(\d+ rows, longest prompt \d+, (\d+) KV "
+                    r"positions\): (\d+) new tokens in ([\d.]+) s", _text(data)):
+                totals = by_length.setdefault(positions, [0, 0, 0.0, 0.0])
+                if (worker, positions) in seen:
+                    totals[0] += 1
+                    totals[1] += int(tokens)
+                    totals[2] += float(seconds)
+                else:
+                    seen.add((worker, positions))
+                    totals[3] += float(seconds)
             if by_length:
                 summary.setdefault("generate_batches", {})[name] = {
                     positions: {"batches": n, "new_tokens": tokens, "seconds": round(seconds, 1),
-                                "tokens_per_s_of_batch_time": round(tokens / seconds, 1) if seconds else None}
-                    for positions, (n, tokens, seconds) in sorted(by_length.items(), key=lambda kv: int(kv[0]))}
+                                "tokens_per_s_of_batch_time": round(tokens / seconds, 1) if seconds else None,
+                                "first_batches_s": round(first, 1)}
+                    for positions, (n, tokens, seconds, first) in sorted(by_length.items(),
+                                                                        key=lambda kv: int(kv[0]))}
         elif name.endswith("smi.csv"):
             summary.setdefault("gpu", {})[name] = gpu_samples(_text(data))
     runs: dict[str, Any] = {}

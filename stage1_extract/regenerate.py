@@ -31,6 +31,7 @@ extraction with --max-length N (up to the rare answer whose text encodes to othe
 from __future__ import annotations
 
 import hashlib
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -202,6 +203,8 @@ class ConversationRegenerator:
         self.device = next(model.parameters()).device
         self.batch_tokens = settings.batch_tokens
         self.oom_retries = 0
+        # transformers >= 5.2x names the KV cache argument `cache`; older versions `past_key_values`.
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def regenerate(self, conversations: list[tuple[str, Conversation]]) -> list[dict[str, Any]]:
         """(key, conversation) pairs -> one output record each, in the same order."""
@@ -237,6 +240,17 @@ class ConversationRegenerator:
     def _static_rows(self) -> int:
         """Rows of every static batch (the token budget may have been halved by an out-of-memory retry)."""
         return max(1, self.batch_tokens // self.settings.cache_len)
+
+    def static_cache(self, needed: int) -> Any:
+        """A StaticCache of `GenerateSettings.batch_cache_len(needed)` positions per row for one batch, made here:
+        with `cache_implementation="static"` transformers gives every later call of a model at least the longest
+        cache it has had (`_previous_max_cache_length`), so a worker whose first batch needs the longest cache (the
+        chunks come longest prompts first) would keep it for every batch. Its decoding step compiles with static
+        shapes (`CompileConfig(dynamic=False)`), one CUDA graph set per length, instead of recompiling with a
+        symbolic length at the second length (transformers' default)."""
+        from transformers import StaticCache
+
+        return StaticCache(config=self.model.config, max_cache_len=self.settings.batch_cache_len(needed))
 
     def _shape_text(self, batch: list[tuple[_Progress, list[int]]]) -> str:
         """How a batch was laid out, for the log: rows, longest prompt and, with a static cache, its length."""
@@ -299,7 +313,7 @@ class ConversationRegenerator:
     def _generate(self, batch: list[tuple[_Progress, list[int]]], streamer: _TokenCounter | None = None
                   ) -> list[tuple[str, int, str]]:
         """(text, generated tokens, finish reason) per row; `streamer` counts the tokens while they are made."""
-        from transformers import GenerationConfig
+        from transformers import CompileConfig, GenerationConfig
 
         if self.settings.continuous_batching:
             return self._generate_continuous(batch)
@@ -317,16 +331,16 @@ class ConversationRegenerator:
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention_mask[row, width - len(ids):] = 1
         sampling = self.settings.temperature > 0
-        cache = ({"cache_implementation": "static", "max_cache_len": self.settings.batch_cache_len(width + new_tokens)}
-                 if static else {})
         config = GenerationConfig(
             max_new_tokens=new_tokens, do_sample=sampling, temperature=self.settings.temperature if sampling else None,
-            top_k=None, top_p=None, eos_token_id=self.stops, pad_token_id=self.pad_id, **cache,
+            top_k=None, top_p=None, eos_token_id=self.stops, pad_token_id=self.pad_id,
+            compile_config=CompileConfig(dynamic=False) if static else None,
         )
         if sampling:
             torch.manual_seed(_batch_seed(self.settings.seed, [state.key for state, _ in batch]))
+        cache = {self._cache_kwarg: self.static_cache(width + new_tokens)} if static else {}
         output = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                     generation_config=config, streamer=streamer)
+                                     generation_config=config, streamer=streamer, **cache)
         return [self._answer(output[row, width:width + budget].tolist(), budget) for row, budget in enumerate(budgets)]
 
     def _generate_continuous(self, batch: list[tuple[_Progress, list[int]]]) -> list[tuple[str, int, str]]:

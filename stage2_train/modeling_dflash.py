@@ -594,15 +594,19 @@ def target_decoder_layers(model: nn.Module) -> nn.ModuleList:
 # ---------------------------------------------------------------------------
 
 DECODE_MODES = ("auto", "dynamic", "static")
-STATIC_MIN_CAPACITY = 256  # the smallest static buffer, in positions
+STATIC_ROUNDING = 256  # static buffers hold a multiple of this many positions (the smallest one this many)
 
 
-def static_capacity(needed: int) -> int:
-    """The size of a static buffer that holds ``needed`` positions: the next power of two (at least
-    STATIC_MIN_CAPACITY), so that a caller whose prompts grow (`spec_generate` without a capacity) rebuilds its
-    buffers, graphs and compiled drafter block a few times, not at every multiple of 256 (each new size is one more
-    torch.compile entry, and past its recompile limit, 8, the drafter block would run eagerly)."""
-    return max(STATIC_MIN_CAPACITY, 1 << max(0, needed - 1).bit_length())
+def static_capacity(needed: int, planned: bool = False) -> int:
+    """The size of a static buffer that holds ``needed`` positions. ``planned`` (the caller sized it once for all
+    its prompts, as `dflash eval` does): the next multiple of STATIC_ROUNDING, since attention reads the whole
+    buffer at every step. Else the next power of two (at least STATIC_ROUNDING), so that a caller whose prompts grow
+    (`spec_generate` without a capacity) rebuilds its buffers, graphs and compiled drafter block a few times, not at
+    every multiple of 256 (each new size is one more torch.compile entry, and past its recompile limit, 8, the
+    drafter block would run eagerly)."""
+    if planned:
+        return -(-needed // STATIC_ROUNDING) * STATIC_ROUNDING
+    return max(STATIC_ROUNDING, 1 << max(0, needed - 1).bit_length())
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -1340,10 +1344,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def target_runner(target: nn.Module, layer_ids: Sequence[int], needed: int, decode: str = "auto") -> TargetRunner:
-    """The target runner of one generation that holds ``needed`` positions: a static one (kept on the target and
-    reused by later generations while it is large enough, CUDA graphs included) when `decode` asks for it and the
-    target supports it (`static_unsupported`), else a fresh dynamic one (`path` says which, and why)."""
+def target_runner(target: nn.Module, layer_ids: Sequence[int], needed: int, decode: str = "auto",
+                  planned: bool = False) -> TargetRunner:
+    """The target runner of one generation that holds ``needed`` positions (``planned``: see `static_capacity`): a
+    static one (kept on the target and reused by later generations while it is large enough, CUDA graphs included)
+    when `decode` asks for it and the target supports it (`static_unsupported`), else a fresh dynamic one (`path`
+    says which, and why)."""
     device = next(target.parameters()).device
     static, graphs = resolve_decode(decode, device)
     reason = static_unsupported(target) if static else None
@@ -1356,13 +1362,13 @@ def target_runner(target: nn.Module, layer_ids: Sequence[int], needed: int, deco
     runner = runners.get(key)
     if runner is None or (runner.capacity or 0) < needed:
         runners.pop(key, None)
-        runner = runners[key] = TargetRunner(target, layer_ids, static_capacity(needed), graphs)
+        runner = runners[key] = TargetRunner(target, layer_ids, static_capacity(needed, planned), graphs)
     runner.reset()
     return runner
 
 
 def draft_runner(draft: DFlashDraftModel, embed_weight: Tensor, lm_head_weight: Tensor, embed_scale: float,
-                 needed: int, decode: str = "auto") -> DraftRunner:
+                 needed: int, decode: str = "auto", planned: bool = False) -> DraftRunner:
     """The drafter runner of one generation: static (its context buffer and captured block forward kept on the
     drafter for later generations) when `decode` asks for it, else dynamic."""
     param = next(draft.parameters())
@@ -1376,7 +1382,7 @@ def draft_runner(draft: DFlashDraftModel, embed_weight: Tensor, lm_head_weight: 
     if runner is None or (runner.capacity or 0) < needed:
         runners.pop(key, None)
         runner = runners[key] = DraftRunner(draft, embed_weight, lm_head_weight, embed_scale,
-                                            static_capacity(needed), graphs)
+                                            static_capacity(needed, planned), graphs)
     runner.reset()
     return runner
 
@@ -1414,9 +1420,9 @@ def speculative_generate(
         return SpecResult(tokens=[])
     stops = {int(t) for t in stop_token_ids}
     needed = max(len(prompt) + max_new_tokens + draft.block_size, capacity)
-    runner = target_runner(target, layer_ids, needed, decode)
+    runner = target_runner(target, layer_ids, needed, decode, planned=capacity > 0)
     runner.compile_widths.add(draft.block_size)
-    drafter = draft_runner(draft, embed_weight, lm_head_weight, embed_scale, needed, decode)
+    drafter = draft_runner(draft, embed_weight, lm_head_weight, embed_scale, needed, decode, planned=capacity > 0)
     tokens: list[int] = []
     accepted: list[int] = []
     with runner.hooked():

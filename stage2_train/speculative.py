@@ -48,7 +48,7 @@ def greedy_generate(
     if max_new_tokens <= 0:
         return SpecResult(tokens=[])
     stops = {int(t) for t in stop_token_ids}
-    runner = target_runner(target, (), max(len(prompt) + max_new_tokens, capacity), decode)
+    runner = target_runner(target, (), max(len(prompt) + max_new_tokens, capacity), decode, planned=capacity > 0)
     synchronize(runner.device)
     started = time.perf_counter()
     logits, _ = runner.forward(prompt, 0, last_only=True)
@@ -100,7 +100,8 @@ def prompt_lookup_generate(
     finder = PromptLookupCandidateGenerator(
         eos_token_id=torch.tensor(sorted(stops)) if stops else None, num_output_tokens=num_tokens,
         max_matching_ngram_size=max_ngram, max_length=len(prompt) + max_new_tokens)
-    runner = target_runner(target, (), max(len(prompt) + max_new_tokens + num_tokens + 1, capacity), decode)
+    runner = target_runner(target, (), max(len(prompt) + max_new_tokens + num_tokens + 1, capacity), decode,
+                           planned=capacity > 0)
     synchronize(runner.device)
     started = time.perf_counter()
     logits, _ = runner.forward(prompt, 0, last_only=True)

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 
 from dflash.stage2_train import modeling_dflash as loop
@@ -237,3 +239,12 @@ def test_cuda_graph_path_equals_the_dynamic_path(architecture: str, tmp_path: Pa
         assert graphed.tokens == eager.tokens and graphed.accepted == eager.accepted
         plain = spec.greedy_generate(target, prompt, 24, [2], decode="auto")
         assert plain.decode == "static+cuda-graphs" and plain.tokens == graphed.tokens
+
+
+@given(needed=st.integers(1, 1 << 20))
+def test_static_capacity_fits_what_is_needed_with_bounded_slack(needed: int) -> None:
+    """A planned capacity (one size for every prompt) is the next multiple of 256; a growing one the next power of
+    two (few sizes, so few recaptures and recompiles), at most twice what is needed past the smallest buffer."""
+    planned, grown = loop.static_capacity(needed, planned=True), loop.static_capacity(needed)
+    assert planned % 256 == 0 and needed <= planned < needed + 256
+    assert grown & (grown - 1) == 0 and needed <= grown and (grown == 256 or grown < 2 * needed)
