@@ -83,6 +83,11 @@
 # should do it when the machine comes at once; a machine that comes late or is lost (the chunks in flight, 65-95 s
 # of work each, are lost at the time limit or with the machine) needs a second, short session. H100 (256 rows a batch:
 # GEN_BATCH_TOKENS below): not measured.
+# Two batching paths not yet measured on a GPU (2026-12-06): the static caches are now sized per batch (chunks come
+# longest prompts first; generate.log's "batch of" lines, summarised by KV length in summary.json's
+# generate_batches), and GEN_FLAGS="--workers-per-gpu 1 --chunk-size 2048 --continuous-batching" (transformers'
+# continuous batching) replaces padded batches altogether. Time both on the first ~2,000 turns (SAMPLES=2048,
+# CARRIED=none, each in a fresh $WORK/gen) before the long run, and generate the rest with the faster.
 # Size: all ~16,760 merged are ~10 MB as gzip (588 bytes a conversation; ~7 MB as xz). In the tree, that puts
 # calls 1 and 2 over 64 MiB (72.2 and 69.8 MiB with it, without the older files' removal): a second session before the
 # commit carries the file in .carry_c instead (cp it to .carry_c/carried.jsonl.gz; call 3 with
