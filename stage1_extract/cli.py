@@ -215,8 +215,8 @@ def _extract(ctx: click.Context, kwargs: dict[str, object]) -> int:
 @click.option("--continuous-batching", is_flag=True,
               help="Generate through transformers' continuous batching (`generate_batch`: a paged KV cache sized "
                    "from the free GPU memory, no padding, a finished answer's place taken by the next prompt at "
-                   "once); one worker per GPU. Greedy answers are those of the default path up to floating-point "
-                   "near-ties. Not yet measured against --static-cache on a GPU.")
+                   "once); one worker per GPU, greedy only. Its answers are those of the default path up to "
+                   "floating-point near-ties. Not yet measured against --static-cache on a GPU.")
 @click.option("--overwrite", is_flag=True, help="Discard an earlier output made with other settings.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug messages on the console.")
 def generate_command(**kwargs: object) -> None:
@@ -234,6 +234,10 @@ def generate_command(**kwargs: object) -> None:
 
     if kwargs["continuous_batching"] and kwargs["static_cache"]:
         raise click.UsageError("--continuous-batching and --static-cache are two ways to batch: choose one")
+    if kwargs["continuous_batching"] and kwargs["temperature"]:
+        raise click.UsageError("--continuous-batching decodes greedily only (--temperature 0): its sampling is seeded "
+                               "but depends on how its thread happens to batch the requests, so a rerun would not "
+                               "draw the same answers")
     if kwargs["continuous_batching"] and kwargs["workers_per_gpu"] != 1:
         raise click.UsageError("--continuous-batching sizes its KV cache from the free memory of the GPU and schedules "
                                "that GPU's prompts itself: use --workers-per-gpu 1")

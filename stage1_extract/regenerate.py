@@ -20,7 +20,7 @@ whose first prompt does not fit is skipped ("prompt_too_long").
 With `continuous_batching`, all prompts of a turn go to transformers' continuous batching (`generate_batch`) at
 once: a paged KV cache (sized from the free GPU memory on CUDA, from the token budget on CPU), no padding, and a
 finished answer's slot taken by the next prompt at once; each answer is cut to its own budget afterwards (the call
-takes one --max-new-tokens for all).
+takes one --max-new-tokens for all); greedy only.
 
 Lengths are counted as `dflash extract` will count them: a conversation is the chat template's rendering, where each
 answer is closed by the template's end-of-turn tokens (`end_of_turn_tokens`), so an answer may take at most
@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from dflash.shared.errors import is_out_of_memory
+from dflash.shared.errors import UserError, is_out_of_memory
 from dflash.shared.logs import get_logger
 from dflash.stage1_extract.conversations import Conversation, chat_token_ids
 from dflash.stage1_extract.worker import SampleOutOfMemory, plan_batches
@@ -350,18 +350,14 @@ class ConversationRegenerator:
         from transformers import ContinuousBatchingConfig
 
         budgets = [self._budget(ids) for _, ids in batch]
-        sampling = self.settings.temperature > 0
-        config = GenerationConfig(
-            max_new_tokens=max(budgets), do_sample=sampling,
-            temperature=self.settings.temperature if sampling else None, top_k=None, top_p=None,
-            eos_token_id=self.stops, pad_token_id=self.pad_id,
-        )
-        seed = _batch_seed(self.settings.seed, [state.key for state, _ in batch])
+        # Greedy only (the CLI refuses a temperature): its sampling would depend on its thread's batching.
+        config = GenerationConfig(max_new_tokens=max(budgets), do_sample=False, top_k=None, top_p=None,
+                                  eos_token_id=self.stops, pad_token_id=self.pad_id)
         if self.device.type == "cuda":  # the cache from the free GPU memory (one worker per GPU)
-            batching = ContinuousBatchingConfig(seed=seed)
+            batching = ContinuousBatchingConfig()
         else:  # the token budget (transformers would size it from the machine's memory, and allocate it all)
             page = 64
-            batching = ContinuousBatchingConfig(seed=seed, page_size=page, max_batch_tokens=min(4096, self.batch_tokens),
+            batching = ContinuousBatchingConfig(page_size=page, max_batch_tokens=min(4096, self.batch_tokens),
                                                 num_blocks=max(16, -(-self.batch_tokens // page)))
         results = self.model.generate_batch(inputs=[ids for _, ids in batch], generation_config=config,
                                             continuous_batching_config=batching, warmup=self.device.type == "cuda")
@@ -369,6 +365,10 @@ class ConversationRegenerator:
         failed = [output.error for output in outputs if output.error is not None]
         if len(outputs) != len(batch) or failed:
             reason = failed[0] if failed else f"{len(batch) - len(outputs)} answers missing"
+            if "out of memory" in reason.lower():  # it sizes its cache from the free memory: halving would not help
+                raise UserError(f"continuous batching ran out of memory on {self.device} ({reason.splitlines()[0]}):"
+                                " generate without --continuous-batching (its batches halve on out-of-memory), or "
+                                "lower --max-length or --max-new-tokens; finished conversations are kept")
             raise RuntimeError(f"continuous batching failed for {len(failed) or len(batch) - len(outputs)} of "
                                f"{len(batch)} prompts: {reason}")
         return [self._answer(list(output.generated_tokens)[:budget], budget)

@@ -57,6 +57,19 @@ def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     return param.device, param.dtype
 
 
+# Attention-mask elements (rows x block queries x keys of a padded `AnchorLayout`) one forward of `predictions_of`
+# may hold: the anchors of several sequences share a forward as rows of one layout. On a GPU the walk was bound by
+# each forward's fixed cost (H100, SmolLM2 drafter: 230 validation sequences in 9.6 s, ~2 forwards of up to 256
+# anchors each per sequence, ~20 ms a forward of which ~1 ms compute); on a CPU a forward is bound by its compute,
+# and a chunk of a long sequence stays alone (each forward at least one chunk).
+FORWARD_MASK_ELEMENTS = {"cuda": 1 << 27, "cpu": 1 << 24}
+# ... and padded keys (rows x (context + block queries)): what the context rows, their projections and the keys and
+# values per head grow with, which few anchors per row leave far below the mask budget (a long sequence among many
+# short ones would pad every row to its context).
+FORWARD_KEYS = {"cuda": 1 << 16, "cpu": 1 << 15}
+GROUP_TOKENS = 1 << 15  # `offline_acceptance`: sequences whose drafts are batched together hold this many tokens
+
+
 @torch.no_grad()
 def draft_predictions(
     model: nn.Module,
@@ -71,49 +84,108 @@ def draft_predictions(
 ) -> Tensor:
     """[len(anchors), Bk - 1] long (CPU): the drafter's greedy tokens at offsets 1..Bk-1 of each anchor's block.
 
-    One forward per chunk of anchors (training layout, context = features at positions < anchor). Runs the model
-    in whatever mode it is in; `offline_acceptance` switches to eval.
+    One forward per chunk of anchors (training layout, context = features at positions < anchor): `predictions_of`
+    with one sequence and one chunk a forward. Runs the model in whatever mode it is in; `offline_acceptance`
+    switches to eval.
     """
+    return predictions_of(model, embed_weight, lm_head_weight, [(features, input_ids, anchors)], block_size,
+                          mask_token_id, chunk, mask_elements=0)[0]
+
+
+@torch.no_grad()
+def predictions_of(
+    model: nn.Module,
+    embed_weight: Tensor,
+    lm_head_weight: Tensor,
+    sequences: Sequence[tuple[Any, Any, Any]],
+    block_size: int,
+    mask_token_id: int,
+    chunk: int = DEFAULT_ANCHOR_CHUNK,
+    mask_elements: int | None = None,
+) -> list[Tensor]:
+    """`draft_predictions` of several (features, input_ids, anchors) sequences: each sequence's anchors cut into
+    chunks of at most ``chunk``, and consecutive chunks (of one sequence or several) drafted in one forward as the
+    rows of a padded `AnchorLayout` while rows x queries x keys stays within ``mask_elements`` (default
+    FORWARD_MASK_ELEMENTS of the model's device; 0: one chunk a forward) and rows x keys within FORWARD_KEYS. A
+    row's drafts are those of its chunk alone (a block sees only its own sequence's context before its anchor, and
+    itself): exactly so in float32 (tested); in bf16 the padding and the batch shapes can move a near-tie, so a
+    walk's tau can differ in its last digits with how its sequences were grouped. The eager reference attention
+    (scores of every head materialised) keeps one chunk a forward."""
     device, dtype = _model_device_dtype(model)
-    features = _as_tensor(features)
-    ids = _as_tensor(input_ids).long().cpu().flatten()
-    anchors = torch.as_tensor(anchors, dtype=torch.long).cpu().flatten()
-    seq_len = ids.shape[0]
-    if features.shape[0] < seq_len:
-        raise ValueError(f"features cover {features.shape[0]} positions, input_ids {seq_len}")
-    if anchors.numel() and (int(anchors.min()) < 0 or int(anchors.max()) >= seq_len):
-        raise ValueError(f"anchors must lie in [0, {seq_len})")
+    eager = getattr(getattr(model, "attention", None), "implementation", None) == "eager"
+    if mask_elements is None:
+        mask_elements = 0 if eager else FORWARD_MASK_ELEMENTS.get(device.type, FORWARD_MASK_ELEMENTS["cpu"])
+    key_budget = FORWARD_KEYS.get(device.type, FORWARD_KEYS["cpu"]) if mask_elements else 0
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    out = torch.zeros(anchors.numel(), max(block_size - 1, 0), dtype=torch.long)
-    if block_size < 2 or anchors.numel() == 0:
-        return out
+    prepared, outs, chunks = [], [], []  # chunks: (sequence, first anchor index, anchors)
+    for index, (features, input_ids, anchors) in enumerate(sequences):
+        features = _as_tensor(features)
+        ids = _as_tensor(input_ids).long().cpu().flatten()
+        anchors = torch.as_tensor(anchors, dtype=torch.long).cpu().flatten()
+        seq_len = ids.shape[0]
+        if features.shape[0] < seq_len:
+            raise ValueError(f"features cover {features.shape[0]} positions, input_ids {seq_len}")
+        if anchors.numel() and (int(anchors.min()) < 0 or int(anchors.max()) >= seq_len):
+            raise ValueError(f"anchors must lie in [0, {seq_len})")
+        prepared.append((features, ids))
+        outs.append(torch.zeros(anchors.numel(), max(block_size - 1, 0), dtype=torch.long))
+        if block_size >= 2:
+            chunks += [(index, begin, anchors[begin:begin + chunk]) for begin in range(0, anchors.numel(), chunk)]
+
+    forward: list[tuple[int, int, Tensor]] = []
+    widest = longest = 0  # the forward's most anchors in a row, and its longest context
+    for item in chunks:
+        anchors_in_row, context = item[2].numel(), int(item[2].max()) + 1
+        queries = max(widest, anchors_in_row) * block_size
+        keys = (len(forward) + 1) * (max(longest, context) + queries)
+        if forward and (keys * queries > mask_elements or keys > key_budget):
+            _draft_rows(model, embed_weight, lm_head_weight, prepared, forward, outs, block_size, mask_token_id)
+            forward, widest, longest = [], 0, 0
+        forward.append(item)
+        widest, longest = max(widest, anchors_in_row), max(longest, context)
+    if forward:
+        _draft_rows(model, embed_weight, lm_head_weight, prepared, forward, outs, block_size, mask_token_id)
+    return outs
+
+
+def _draft_rows(model: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor, prepared: list[tuple[Tensor, Tensor]],
+                rows: list[tuple[int, int, Tensor]], outs: list[Tensor], block_size: int, mask_token_id: int) -> None:
+    """One forward of `predictions_of`: chunk r of `rows` as row r of a padded layout (context = the features before
+    its last anchor, its blocks [token[p], MASK x (Bk - 1)]); each chunk's greedy drafts into its sequence's `outs`."""
+    device, dtype = _model_device_dtype(model)
     hidden_size = embed_weight.shape[1]
-    for begin in range(0, anchors.numel(), chunk):
-        part = anchors[begin : begin + chunk]
-        n = part.numel()
-        context_len = int(part.max()) + 1  # nothing at or after the last anchor is visible to any block
-        layout = AnchorLayout.from_anchor_lists([part], [context_len], block_size, device=device)
-        block_ids = torch.full((n, block_size), int(mask_token_id), dtype=torch.long)
-        block_ids[:, 0] = ids[part]
-        noise = F.embedding(block_ids.to(embed_weight.device), embed_weight)
-        noise = noise.to(device=device, dtype=dtype).reshape(1, n * block_size, hidden_size)
-        context = features[:context_len].to(device=device, dtype=dtype)[None]
-        hidden = model(noise, context, layout.query_position_ids(), layout.context_position_ids(), layout)
-        drafts = hidden.reshape(n, block_size, hidden_size)[:, 1:]
-        drafts = drafts.to(device=lm_head_weight.device, dtype=lm_head_weight.dtype)
-        selector = getattr(model, "candidate_selector", None)
-        if selector is None:  # DFlash: each position's argmax
-            rows = drafts.reshape(-1, hidden_size)
-            tokens = torch.cat([(chunk @ lm_head_weight.t()).argmax(dim=-1) for chunk in rows.split(LOGITS_ROWS)])
-        else:  # DFlash 2: the selector's greedy path from each block's anchor, as decoding walks it
-            per_chunk = max(1, LOGITS_ROWS // (block_size - 1))
-            anchor_ids = block_ids[:, 0].to(drafts.device)
-            tokens = torch.cat([selector.walk(h.to(selector.hidden_projection.weight.dtype),
-                                              (h @ lm_head_weight.t()).float(), a)[0]
-                                for h, a in zip(drafts.split(per_chunk), anchor_ids.split(per_chunk))])
-        out[begin : begin + n] = tokens.view(n, block_size - 1).cpu()
-    return out
+    context_lengths = [int(part.max()) + 1 for _, _, part in rows]  # nothing at or after the last anchor is visible
+    layout = AnchorLayout.from_anchor_lists([part for _, _, part in rows], context_lengths, block_size)
+    count, width = layout.batch_size, layout.num_blocks
+    block_ids = torch.full((count, width, block_size), int(mask_token_id), dtype=torch.long)
+    context = torch.zeros(count, layout.context_len, prepared[rows[0][0]][0].shape[1], device=device, dtype=dtype)
+    for row, (index, _, part) in enumerate(rows):
+        features, ids = prepared[index]
+        block_ids[row, : part.numel(), 0] = ids[part]
+        context[row, : context_lengths[row]] = features[: context_lengths[row]].to(device=device, dtype=dtype)
+    noise = F.embedding(block_ids.to(embed_weight.device), embed_weight)
+    noise = noise.to(device=device, dtype=dtype).reshape(count, width * block_size, hidden_size)
+    on_device = layout.to(device)
+    hidden = model(noise, context, on_device.query_position_ids(), on_device.context_position_ids(), on_device)
+    valid = layout.anchor_valid  # on the CPU: the blocks of real anchors, row by row, in anchor order
+    drafts = hidden.reshape(count, width, block_size, hidden_size)[valid.to(hidden.device)][:, 1:]
+    drafts = drafts.to(device=lm_head_weight.device, dtype=lm_head_weight.dtype)
+    selector = getattr(model, "candidate_selector", None)
+    if selector is None:  # DFlash: each position's argmax
+        flat = drafts.reshape(-1, hidden_size)
+        tokens = torch.cat([(part @ lm_head_weight.t()).argmax(dim=-1) for part in flat.split(LOGITS_ROWS)])
+    else:  # DFlash 2: the selector's greedy path from each block's anchor, as decoding walks it
+        per_chunk = max(1, LOGITS_ROWS // (block_size - 1))
+        anchor_ids = block_ids[valid][:, 0].to(drafts.device)
+        tokens = torch.cat([selector.walk(h.to(selector.hidden_projection.weight.dtype),
+                                          (h @ lm_head_weight.t()).float(), a)[0]
+                            for h, a in zip(drafts.split(per_chunk), anchor_ids.split(per_chunk))])
+    tokens = tokens.view(-1, block_size - 1).cpu()
+    done = 0
+    for index, begin, part in rows:
+        outs[index][begin:begin + part.numel()] = tokens[done:done + part.numel()]
+        done += part.numel()
 
 
 def accepted_prefix(predictions: Tensor, input_ids: Tensor, anchors: Tensor) -> Tensor:
@@ -251,6 +323,29 @@ def offline_acceptance(
     per_sequence: list[tuple[int, int]] = []  # (tokens, steps) of each walked sequence
     random_counts: list[int] = []
     walked = 0
+    # Sequences wait here (with their features) until GROUP_TOKENS of them share batched forwards
+    # (`predictions_of`); what each contributes depends on its own drafts only.
+    waiting: list[dict[str, Any]] = []
+
+    def walk_waiting() -> None:
+        nonlocal walked
+        predictions = predictions_of(model, embed_weight, lm_head_weight,
+                                     [(w["features"], w["ids"], w["anchors"]) for w in waiting], block_size,
+                                     int(mask_token_id), chunk)
+        for item, drafted in zip(waiting, predictions):
+            accept_at = torch.full((item["ids"].shape[0],), -1, dtype=torch.long)
+            if item["anchors"].numel():
+                accept_at[item["anchors"]] = accepted_prefix(drafted, item["ids"], item["anchors"])
+            if item["start"] >= 0:
+                steps = walk_acceptance(accept_at, item["start"], item["end"])
+                walk_steps.extend(steps)
+                per_sequence.append((sum(a + 1 for a in steps), len(steps)))
+                walked += 1
+            run_ends = item["run_ends"]
+            for p in item["random_anchors"].tolist():
+                random_counts.append(min(int(accept_at[p]), int(run_ends[p + 1]) - 2 - p) + 1)
+        waiting.clear()
+
     was_training = model.training
     model.eval()
     try:
@@ -273,20 +368,13 @@ def offline_acceptance(
                 pick = torch.randperm(valid.size, generator=generator)[:max_random_anchors].numpy()
                 valid = np.sort(valid[pick])
             random_anchors = torch.from_numpy(valid.astype(np.int64))
-            anchors = torch.unique(torch.cat([walk_anchors, random_anchors]))  # sorted
-            accept_at = torch.full((seq_len,), -1, dtype=torch.long)
-            if anchors.numel():
-                accept_at[anchors] = acceptance_table(
-                    model, embed_weight, lm_head_weight, sequence["features"], ids, anchors, block_size,
-                    int(mask_token_id), chunk,
-                )
-            if start >= 0:
-                steps = walk_acceptance(accept_at, start, end)
-                walk_steps += steps
-                per_sequence.append((sum(a + 1 for a in steps), len(steps)))
-                walked += 1
-            for p in random_anchors.tolist():
-                random_counts.append(min(int(accept_at[p]), int(run_ends[p + 1]) - 2 - p) + 1)
+            waiting.append({"features": sequence["features"], "ids": ids, "run_ends": run_ends, "start": start,
+                            "end": end, "random_anchors": random_anchors,
+                            "anchors": torch.unique(torch.cat([walk_anchors, random_anchors]))})  # sorted
+            if sum(w["ids"].shape[0] for w in waiting) >= GROUP_TOKENS:
+                walk_waiting()
+        if waiting:
+            walk_waiting()
     finally:
         model.train(was_training)
 

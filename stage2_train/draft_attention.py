@@ -213,8 +213,8 @@ def training_drafter(config: Any, implementation: AttnImplementation = "auto") -
 def uncompiled_sdpa(model: DFlashDraftModel) -> Iterator[DFlashDraftModel]:
     """`model` run eagerly (`torch.compiler.set_stance("force_eager")`: its compiled layers and the compiled
     flex_attention are bypassed) and with SDPA instead of flex, until the block ends (the ``eager`` reference backend
-    is kept). For the evaluations inside a training run: they run one sequence at a time, in shapes the training
-    step never sees, under no_grad. Compiled, each new shape compiled anew until torch.compile's recompile limit was
+    is kept). For the evaluations inside a training run: they run the walk's padded layouts (a few sequences a
+    forward), in shapes the training step never sees, under no_grad. Compiled, each new shape compiled anew until torch.compile's recompile limit was
     reached, after which the limited function ran eagerly for the rest of the process: on an H100 the evaluation at
     step 0 of a `--attention flex --compile` run left training on unfused flex, which ran out of memory at step 1
     (it tried to allocate 48.9 GiB) and then took ~2 s a step instead of 0.11 (2026-12-05). The backends agree

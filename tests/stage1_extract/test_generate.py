@@ -372,7 +372,8 @@ def test_generate_bad_inputs_give_clear_errors(tmp_path: Path) -> None:
     assert model.returncode == 2 and "Traceback" not in model.stderr, model.stderr[-2000:]
     assert os.path.exists(tmp_path / "g2" / "generate.log")  # the log exists before anything is loaded
     for flags, message in ((("--continuous-batching", "--static-cache"), "choose one"),
-                           (("--continuous-batching", "--workers-per-gpu", "2"), "--workers-per-gpu 1")):
+                           (("--continuous-batching", "--workers-per-gpu", "2"), "--workers-per-gpu 1"),
+                           (("--continuous-batching", "--temperature", "0.7"), "greedily only")):
         both = run_dflash("generate", "--out", str(tmp_path / "g3"), *flags)
         assert both.returncode == 2 and message in both.stderr and "Traceback" not in both.stderr, both.stderr[-2000:]
         assert not (tmp_path / "g3").exists()

@@ -9,10 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dflash.shared.feature_codecs import BF16
+from dflash.stage2_train import acceptance as acceptance_module
 from dflash.stage2_train.acceptance import (
     acceptance_table,
     draft_predictions,
+    predictions_of,
     offline_acceptance,
     tau_standard_error,
     walk_acceptance,
@@ -21,6 +26,7 @@ from dflash.stage2_train.attention_masks import AnchorLayout
 from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import config_from_target
 from dflash.stage2_train.modeling_dflash import DFlashDraftModel
+from tests.stage2_train.test_dflash2 import randomise_added_parts
 from dflash.stage2_train.loss import (
     IGNORE_INDEX,
     default_gamma,
@@ -547,3 +553,58 @@ def test_evaluation_inside_training_compiles_nothing_and_uses_sdpa() -> None:
     assert counters["stats"]["unique_graphs"] == graphs
     assert model.attention.implementation == "flex"
     assert result["tau_walk"] == reference["tau_walk"] and result["steps"] == reference["steps"] > 1
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+@settings(max_examples=8, deadline=None)
+@given(lengths=st.lists(st.integers(2, 40), min_size=1, max_size=6), chunk=st.integers(1, 12),
+       mask_elements=st.sampled_from([0, 1 << 12, 1 << 16, 1 << 30]))
+def test_sequences_drafted_together_get_the_drafts_each_gets_alone(architecture: str, lengths: list[int],
+                                                                   chunk: int, mask_elements: int) -> None:
+    """`predictions_of` with the chunks of several sequences as rows of one padded forward (any budget) gives each
+    sequence the drafts of one chunk a forward; so does `offline_acceptance`, which batches its sequences."""
+    model = make_model("sdpa")
+    if architecture == "dflash2":
+        config = config_from_target(TARGET_CONFIG, TARGET_LAYER_IDS, LAYERS, BLOCK, MASK, architecture="dflash2",
+                                    dflash2={"conv_group_size": 8, "selector_rank": 16, "selector_top_k": 4})
+        torch.manual_seed(0)
+        model = training_drafter(config, "sdpa").eval()
+        randomise_added_parts(model)
+    embed, head = target_weights()
+    gen = torch.Generator().manual_seed(sum(lengths))
+    sequences = []
+    for i, length in enumerate(lengths):
+        ids = torch.randint(0, VOCAB, (length,), generator=gen)
+        anchors = torch.randperm(length, generator=gen)[: max(1, length // 2)].sort().values
+        sequences.append((random_features(length, seed=i), ids, anchors))
+    alone = [draft_predictions(model, embed, head, f, ids, a, BLOCK, MASK, chunk=chunk) for f, ids, a in sequences]
+    together = predictions_of(model, embed, head, sequences, BLOCK, MASK, chunk=chunk, mask_elements=mask_elements)
+    assert all(torch.equal(x, y) for x, y in zip(alone, together))
+    cached = [make_sequence(ids, f, (torch.arange(len(ids)) >= len(ids) // 3).long()) for f, ids, _ in sequences]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(acceptance_module, "GROUP_TOKENS", 1)  # every sequence alone
+        one_by_one = offline_acceptance(model, embed, head, cached, max_random_anchors=4, seed=1)
+    assert offline_acceptance(model, embed, head, cached, max_random_anchors=4, seed=1) == one_by_one
+
+
+def test_long_sequences_drafted_together_through_grouped_attention_and_a_sliding_window() -> None:
+    """Chunks of 200 anchors (800 block queries: the grouped SDPA path) of sequences of a few hundred tokens, on a
+    drafter with a sliding-window layer, several to a forward: each gets its drafts alone (float32)."""
+    config = config_from_target(TARGET_CONFIG, TARGET_LAYER_IDS, LAYERS, BLOCK, MASK,
+                                layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    torch.manual_seed(0)
+    model = training_drafter(config, "sdpa").eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5 if param.dim() > 1 else 1 + 0.3 * param)
+    embed, head = target_weights()
+    gen = torch.Generator().manual_seed(7)
+    sequences = []
+    for i, length in enumerate((420, 260, 333)):
+        anchors = torch.arange(length // 3, length - 1)
+        sequences.append((random_features(length, seed=20 + i), torch.randint(0, VOCAB, (length,), generator=gen),
+                          anchors))
+    alone = [draft_predictions(model, embed, head, f, ids, a, BLOCK, MASK, chunk=200) for f, ids, a in sequences]
+    together = predictions_of(model, embed, head, sequences, BLOCK, MASK, chunk=200, mask_elements=1 << 30)
+    assert all(torch.equal(x, y) for x, y in zip(alone, together))
+    assert len({tuple(row.tolist()) for row in alone[0]}) > 10  # the drafts vary from anchor to anchor
