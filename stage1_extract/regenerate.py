@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import torch
@@ -357,10 +357,14 @@ class ConversationRegenerator:
             batching = ContinuousBatchingConfig()
         else:  # the token budget (transformers would size it from the machine's memory, and allocate it all)
             page = 64
-            batching = ContinuousBatchingConfig(page_size=page, max_batch_tokens=min(4096, self.batch_tokens),
+            # transformers >= 5.18 calls a cache page's tokens `page_size`, 5.14-5.17 `block_size`.
+            page_field = "page_size" if "page_size" in {f.name for f in fields(ContinuousBatchingConfig)} \
+                else "block_size"
+            batching = ContinuousBatchingConfig(**{page_field: page}, max_batch_tokens=min(4096, self.batch_tokens),
                                                 num_blocks=max(16, -(-self.batch_tokens // page)))
         results = self.model.generate_batch(inputs=[ids for _, ids in batch], generation_config=config,
-                                            continuous_batching_config=batching, warmup=self.device.type == "cuda")
+                                            continuous_batching_config=batching, warmup=self.device.type == "cuda",
+                                            progress_bar=False)
         outputs = list(results.values())
         failed = [output.error for output in outputs if output.error is not None]
         if len(outputs) != len(batch) or failed:

@@ -149,7 +149,7 @@ def test_static_cache_batches_give_the_default_answers(smollm2_fp32: tuple[Any, 
     def recording_generate(*args: Any, **kwargs: Any) -> Any:
         rows, width = kwargs["input_ids"].shape
         shapes.append((rows,))
-        cache = kwargs["cache"]
+        cache = kwargs[static._cache_kwarg]  # `cache` (transformers >= 5.2x) or `past_key_values`
         # The batch's longest prompt and most new tokens, rounded up to the step (at most max-length + new tokens).
         assert cache.layers[0].max_cache_len == min(522, -(-(width + kwargs["generation_config"].max_new_tokens)
                                                            // 32) * 32)
@@ -158,7 +158,7 @@ def test_static_cache_batches_give_the_default_answers(smollm2_fp32: tuple[Any, 
         return generate(*args, **kwargs)
 
     def recording_forward(*args: Any, **kwargs: Any) -> Any:
-        caches_used.add(id(kwargs.get("cache")))
+        caches_used.add(id(kwargs.get(static._cache_kwarg)))
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(model, "generate", recording_generate)
