@@ -18,7 +18,7 @@ TRAIN_FLAGS ?= --epochs 24 --draft-layers 1 --max-anchors 16 --batch-tokens 4096
 EVAL_SAMPLES ?= 4
 EVAL_TOKENS ?= 48
 
-.PHONY: install test test-all all bench bench-gpu reliability clean
+.PHONY: install test test-all test-gpu all bench bench-gpu reliability clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -60,6 +60,10 @@ reliability: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The tests that need a CUDA device (marked gpu; skipped everywhere else), on a GPU machine.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu tests
 
 all: $(STAMP)
 	$(BIN)/dflash generate --out $(WORK)/generated --max-samples $(GEN_SAMPLES) --max-length $(MAX_LENGTH) \

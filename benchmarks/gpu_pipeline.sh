@@ -44,6 +44,9 @@
 #             GPU; then `dflash export --run`),
 #             --compile with SDPA and with flex, each against the same run without it (FLAG_VARIANTS picks
 #             which) -> $OUT/flags.json
+#   gputests  the tests marked `gpu` (CUDA graphs and compiled forwards of the decode loop, CUDA memory bounds; CI
+#             skips them), at most GPU_TESTS_SECONDS (300) -> $OUT/gpu_tests.txt and gpu_tests.xml; needs `model`
+#             (the tests load the embedded tokenizer). Families with sliding windows skip under transformers < 5.18
 #   headline  generate, extract, train, eval, keep (when KEEP is set; and probe / flags beside generate when PROBE=1 / FLAGS=1): the
 #             whole run, meant to be
 #             started detached (setsid) so that short device calls can poll $OUT while it runs
@@ -406,6 +409,11 @@ EOF
             --context 1024 --anchors 512 --out "$OUT"
         timed grouped_qwen3 timeout 120 python3 benchmarks/bench_grouped_attention.py --shape qwen3-8b --batch 4 \
             --context 3072 --anchors 512 --out "$OUT"
+        ;;
+    gputests)  # the tests marked gpu (CUDA graphs, compiled forwards: CI has no GPU and skips them)
+        timed gpu_tests timeout "${GPU_TESTS_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+            --junitxml="$OUT/gpu_tests.xml" tests >"$OUT/gpu_tests.txt" 2>&1
+        tail -n 3 "$OUT/gpu_tests.txt"
         ;;
     specforge)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \

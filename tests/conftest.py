@@ -63,6 +63,19 @@ def chat_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built_once(tmp_path_factory, "data", write) / "chats.jsonl"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` are skipped where torch sees no CUDA device (CI, the CPU machines); `make test-gpu` and
+    `benchmarks/gpu_pipeline.sh gputests` run them on a GPU machine."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
     """Keep on each test whether its body failed (a fixture's teardown can then report it)."""

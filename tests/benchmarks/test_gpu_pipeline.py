@@ -252,3 +252,24 @@ def test_a_damaged_carried_file_is_refused_in_one_line_and_nothing_is_written(tm
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1 and f"{tmp_path / 'carried.jsonl.gz'}: line 2 " in result.stderr
     assert read_jsonl(tmp_path / "turns.jsonl.gz") == turns
+
+
+def test_gputests_runs_the_tests_marked_gpu_and_only_those(tmp_path: Path) -> None:
+    """`gpu_pipeline.sh gputests` collects every test marked `gpu` (here, without a GPU, each skipped by the marker)
+    and no other, and leaves its report and JUnit file in $OUT."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("PYTEST_", "PYTEST"))}
+    env.update({"OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "PATH": python3_on_path(tmp_path),
+                "PYTEST_ADDOPTS": f"--basetemp={tmp_path / 'basetemp'}"})
+    result = subprocess.run(["bash", "benchmarks/gpu_pipeline.sh", "gputests"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    import xml.etree.ElementTree as ElementTree
+
+    cases = ElementTree.parse(tmp_path / "out" / "gpu_tests.xml").getroot().iter("testcase")
+    skipped = {case.get("name"): [s.get("message") for s in case.iter("skipped")] for case in cases}
+    assert {"test_cuda_graph_path_equals_the_dynamic_path[dflash-llama]",
+            "test_cuda_graphs_of_the_compiled_target_equal_the_dynamic_path[gemma3_text]",
+            "test_features_copied_aside_train_as_those_copied_on_the_compute_stream"} <= set(skipped)
+    assert all(messages == ["needs a CUDA device"] for messages in skipped.values()), skipped
+    assert not any(name.startswith("test_variants_train") for name in skipped)  # unmarked tests are left out
+    assert "gpu_tests\t" in (tmp_path / "out" / "timings.tsv").read_text()

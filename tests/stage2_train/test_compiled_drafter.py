@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 from dflash.stage2_train import modeling_dflash as loop
 from dflash.stage2_train import speculative as spec
+from tests.end_to_end.families import decode_families
 from tests.stage2_train.test_static_decode import BLOCK, LAYER_IDS, drafter
 
 
@@ -111,9 +112,10 @@ def test_speculative_decoding_with_the_compiled_drafter_equals_plain_decoding(ta
     assert not counters["graph_break"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", decode_families("llama", "gemma3_text"))
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
-def test_cuda_graph_of_the_compiled_block_equals_the_dynamic_path(architecture: str, compiled: None,
+def test_cuda_graph_of_the_compiled_block_equals_the_dynamic_path(architecture: str, family: str, compiled: None,
                                                                   tmp_path: Path) -> None:
     """On a GPU (float32): the compiled block forward is captured as the drafter's CUDA graph (no capture failure)
     and the graphed loop gives the dynamic path's tokens and acceptance over prompts that reuse the graph."""
@@ -122,7 +124,7 @@ def test_cuda_graph_of_the_compiled_block_equals_the_dynamic_path(architecture: 
     from dflash.shared.target_loading import resolve_target
     from tests.end_to_end.families import build_family
 
-    folder = build_family("gemma3_text", Path(resolve_target(None).load_path), tmp_path / "gemma3_text")
+    folder = build_family(family, Path(resolve_target(None).load_path), tmp_path / family)
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
     draft = scaled(drafter(target, architecture), 0).cuda()
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from dflash.stage2_train import modeling_dflash as loop
 from dflash.stage2_train import speculative as spec
 from tests.stage2_train.test_compiled_drafter import scaled
+from tests.end_to_end.families import decode_families
 from tests.stage2_train.test_static_decode import BLOCK, LAYER_IDS, drafter
 
 PROMPTS = (list(range(200, 230)), list(range(900, 911)))
@@ -152,8 +153,8 @@ def test_a_target_that_does_not_compile_falls_back_to_the_eager_forwards(family_
         assert runner.compiled is False and not runner._compiled_steps
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", decode_families("llama", "gemma3_text"))
 def test_cuda_graphs_of_the_compiled_target_equal_the_dynamic_path(family: str, fresh_dynamo: None, tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU (float32), with COMPILE_TARGET: the compiled target's fixed-width forwards captured as CUDA graphs

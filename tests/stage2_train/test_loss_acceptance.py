@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -455,7 +456,7 @@ def test_table_uses_only_context_before_the_anchor() -> None:
 # CUDA only (skipped on CPU): realistic vocabulary memory bound, and the flex backend in the acceptance table
 # ---------------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.gpu
 
 
 @cuda
@@ -558,11 +559,15 @@ def test_evaluation_inside_training_compiles_nothing_and_uses_sdpa() -> None:
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
 @settings(max_examples=8, deadline=None)
 @given(lengths=st.lists(st.integers(2, 40), min_size=1, max_size=6), chunk=st.integers(1, 12),
-       mask_elements=st.sampled_from([0, 1 << 12, 1 << 16, 1 << 30]))
+       mask_elements=st.sampled_from([0, 1 << 12, 1 << 16, 1 << 30]),
+       context_bytes=st.sampled_from([1, 1 << 14, 1 << 40]))
 def test_sequences_drafted_together_get_the_drafts_each_gets_alone(architecture: str, lengths: list[int],
-                                                                   chunk: int, mask_elements: int) -> None:
-    """`predictions_of` with the chunks of several sequences as rows of one padded forward (any budget) gives each
-    sequence the drafts of one chunk a forward; so does `offline_acceptance`, which batches its sequences."""
+                                                                   chunk: int, mask_elements: int,
+                                                                   context_bytes: int) -> None:
+    """`predictions_of` with the chunks of several sequences as rows of one padded forward (any budget of mask
+    elements and of context bytes) gives each sequence the drafts of one chunk a forward; so does
+    `offline_acceptance`, which batches its sequences. Budgets too small for two chunks give one a forward; ample
+    ones, a single forward."""
     model = make_model("sdpa")
     if architecture == "dflash2":
         config = config_from_target(TARGET_CONFIG, TARGET_LAYER_IDS, LAYERS, BLOCK, MASK, architecture="dflash2",
@@ -578,8 +583,23 @@ def test_sequences_drafted_together_get_the_drafts_each_gets_alone(architecture:
         anchors = torch.randperm(length, generator=gen)[: max(1, length // 2)].sort().values
         sequences.append((random_features(length, seed=i), ids, anchors))
     alone = [draft_predictions(model, embed, head, f, ids, a, BLOCK, MASK, chunk=chunk) for f, ids, a in sequences]
-    together = predictions_of(model, embed, head, sequences, BLOCK, MASK, chunk=chunk, mask_elements=mask_elements)
+    forwards = [0]
+    draft_rows = acceptance_module._draft_rows
+
+    def counted(*args: Any) -> None:
+        forwards[0] += 1
+        draft_rows(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(acceptance_module, "FORWARD_CONTEXT_BYTES", {"cpu": context_bytes})
+        patch.setattr(acceptance_module, "_draft_rows", counted)
+        together = predictions_of(model, embed, head, sequences, BLOCK, MASK, chunk=chunk, mask_elements=mask_elements)
     assert all(torch.equal(x, y) for x, y in zip(alone, together))
+    chunks = sum(-(-max(1, length // 2) // chunk) for length in lengths)
+    if mask_elements == 0 or context_bytes == 1:
+        assert forwards[0] == chunks
+    elif mask_elements == 1 << 30 and context_bytes == 1 << 40:
+        assert forwards[0] == 1
     cached = [make_sequence(ids, f, (torch.arange(len(ids)) >= len(ids) // 3).long()) for f, ids, _ in sequences]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(acceptance_module, "GROUP_TOKENS", 1)  # every sequence alone

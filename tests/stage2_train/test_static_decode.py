@@ -19,7 +19,7 @@ import torch
 from dflash.stage2_train import modeling_dflash as loop
 from dflash.stage2_train import speculative as spec
 from dflash.stage2_train.draft_config import config_from_target
-from tests.end_to_end.families import build_family, load_families
+from tests.end_to_end.families import build_family, decode_families, load_families
 from tests.stage2_train.test_dflash2 import randomise_added_parts
 
 FAMILIES = ["llama", "gemma3_text", "qwen3_next", "gpt_oss", "deepseek_v3"]
@@ -219,16 +219,17 @@ def test_captured_forwards_read_nothing_back(targets: dict, family: str, archite
     assert calls["target"] >= 5 + 4 and calls["drafter"] >= 4  # verify blocks, one-token steps, drafter blocks
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", decode_families("llama", "gemma3_text"))
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
-def test_cuda_graph_path_equals_the_dynamic_path(architecture: str, tmp_path: Path) -> None:
+def test_cuda_graph_path_equals_the_dynamic_path(architecture: str, family: str, tmp_path: Path) -> None:
     """On a GPU (float32): the graphed static path gives the dynamic path's tokens and acceptance, and plain decoding
     through the graphed one-token step gives the same tokens, over several prompts that reuse the captured graphs."""
     from transformers import AutoModelForCausalLM
 
     from dflash.shared.target_loading import resolve_target
 
-    folder = build_family("gemma3_text", Path(resolve_target(None).load_path), tmp_path / "gemma3_text")
+    folder = build_family(family, Path(resolve_target(None).load_path), tmp_path / family)
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
     draft = drafter(target, architecture).cuda()
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
