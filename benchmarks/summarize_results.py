@@ -223,11 +223,12 @@ def summarize(folder: Path) -> dict[str, Any]:
                 summary.setdefault("generate_chunks", {})[name] = {"conversations_and_seconds": chunks}
             # Static-cache batches by their KV cache length (regenerate.py logs each batch): new tokens per second
             # of batch time, so that one run compares its short and long caches on the same GPU. A worker's first
-            # batch of a length compiles its decoding step: counted apart (first_batches_s), not in the rate.
+            # batch of a length compiles its decoding step: counted apart (first_batches_s), not in the rate. A
+            # worker is its name and process id (a resumed run appends to the log with the same names).
             by_length: dict[str, list[float]] = {}
             seen: set[tuple[str, str]] = set()
             for worker, positions, tokens, seconds in re.findall(
-                    r"\[(\S+) \d+\] dflash\.regenerate: batch of \d+ answers \(\d+ rows, longest prompt \d+, (\d+) KV "
+                    r"\[(\S+ \d+)\] dflash\.regenerate: batch of \d+ answers \(\d+ rows, longest prompt \d+, (\d+) KV "
                     r"positions\): (\d+) new tokens in ([\d.]+) s", _text(data)):
                 totals = by_length.setdefault(positions, [0, 0, 0.0, 0.0])
                 if (worker, positions) in seen:

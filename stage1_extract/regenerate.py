@@ -193,10 +193,25 @@ class ConversationRegenerator:
 
     def __init__(self, model: Any, tokenizer: Any, stop_token_ids: list[int], settings: GenerateSettings,
                  report: Callable[[int, int, int], None] | None = None) -> None:
+        from transformers import GenerationConfig
+
         self.model = model
         self.tokenizer = tokenizer
         self.stops = list(stop_token_ids) or [int(tokenizer.eos_token_id)]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
+        # The target's own next-token choice (greedy, or sampled at --temperature) and nothing else: transformers'
+        # `generate` fills every setting its generation config leaves unset from the model's generation_config.json,
+        # which may ask for a repetition penalty (Qwen2.5-Instruct's 1.05), banned n-grams, beams or suppressed
+        # tokens; continuous batching applies only what it is given. Both paths get a neutral one, so their answers
+        # are those plain decoding verifies in speculative decoding.
+        model.generation_config = GenerationConfig(eos_token_id=self.stops, pad_token_id=self.pad_id)
+        if settings.static_cache:
+            # One compiled decoding step per (rows, cache length): every length batch_cache_len can give, twice over
+            # for the rows an out-of-memory retry halves; past torch's recompile limit (8) a new shape would run
+            # uncompiled without a word (e.g. --max-length 4096 --max-new-tokens 1024 allows 10 lengths).
+            lengths = -(-settings.cache_len // STATIC_CACHE_STEP)
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * lengths + 4)
         self.settings = settings
         self.end_tokens = end_of_turn_tokens(tokenizer)
         self.report = report or (lambda conversations, tokens, skipped: None)
@@ -357,7 +372,8 @@ class ConversationRegenerator:
             batching = ContinuousBatchingConfig()
         else:  # the token budget (transformers would size it from the machine's memory, and allocate it all)
             page = 64
-            # transformers >= 5.18 calls a cache page's tokens `page_size`, 5.14-5.17 `block_size`.
+            # A cache page's tokens: `page_size`, `block_size` in the transformers before its rename (the GPU
+            # machines' 5.17 runs generate; pyproject's floor is for the decode loop's sliding windows).
             page_field = "page_size" if "page_size" in {f.name for f in fields(ContinuousBatchingConfig)} \
                 else "block_size"
             batching = ContinuousBatchingConfig(**{page_field: page}, max_batch_tokens=min(4096, self.batch_tokens),

@@ -67,6 +67,10 @@ FORWARD_MASK_ELEMENTS = {"cuda": 1 << 27, "cpu": 1 << 24}
 # values per head grow with, which few anchors per row leave far below the mask budget (a long sequence among many
 # short ones would pad every row to its context).
 FORWARD_KEYS = {"cuda": 1 << 16, "cpu": 1 << 15}
+# ... and bytes of the context rows (padded keys x the target's concatenated features, in the drafter's dtype): for
+# the SmolLM2 drafter (2,880 features) the key budget binds first; for a Qwen3-8B-shaped one (5 x 4,096) 65,536 keys
+# would be 5.4 GB in float32, so this does.
+FORWARD_CONTEXT_BYTES = {"cuda": 1 << 30, "cpu": 1 << 29}
 GROUP_TOKENS = 1 << 15  # `offline_acceptance`: sequences whose drafts are batched together hold this many tokens
 
 
@@ -106,7 +110,8 @@ def predictions_of(
     """`draft_predictions` of several (features, input_ids, anchors) sequences: each sequence's anchors cut into
     chunks of at most ``chunk``, and consecutive chunks (of one sequence or several) drafted in one forward as the
     rows of a padded `AnchorLayout` while rows x queries x keys stays within ``mask_elements`` (default
-    FORWARD_MASK_ELEMENTS of the model's device; 0: one chunk a forward) and rows x keys within FORWARD_KEYS. A
+    FORWARD_MASK_ELEMENTS of the model's device; 0: one chunk a forward) and rows x keys within FORWARD_KEYS and
+    FORWARD_CONTEXT_BYTES. A
     row's drafts are those of its chunk alone (a block sees only its own sequence's context before its anchor, and
     itself): exactly so in float32 (tested); in bf16 the padding and the batch shapes can move a near-tie, so a
     walk's tau can differ in its last digits with how its sequences were grouped. The eager reference attention
@@ -133,6 +138,10 @@ def predictions_of(
         if block_size >= 2:
             chunks += [(index, begin, anchors[begin:begin + chunk]) for begin in range(0, anchors.numel(), chunk)]
 
+    if prepared and key_budget:
+        key_bytes = max(f.shape[1] for f, _ in prepared) * torch.empty((), dtype=dtype).element_size()
+        bytes_budget = FORWARD_CONTEXT_BYTES.get(device.type, FORWARD_CONTEXT_BYTES["cpu"])
+        key_budget = min(key_budget, bytes_budget // key_bytes)
     forward: list[tuple[int, int, Tensor]] = []
     widest = longest = 0  # the forward's most anchors in a row, and its longest context
     for item in chunks:

@@ -709,7 +709,8 @@ def run_eval(
 
     # Static buffers sized once for the longest prompt and the widest verify block (DFlash's, or prompt lookup's),
     # so the warm-up captures the graphs every prompt reuses.
-    capacity = max(len(p.ids or tokenize_prompt(tokenizer, p.messages)) for ps in prompts_by_dataset.values()
+    capacity = max(len(p.ids or tokenize_prompt(tokenizer, p.messages, template_kwargs))
+                   for ps in prompts_by_dataset.values()
                    for p in ps) + max_new_tokens + max(block_size, PROMPT_LOOKUP_TOKENS + 1)
 
     def dflash(ids: list[int], n: int) -> SpecResult:

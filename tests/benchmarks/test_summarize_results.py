@@ -98,3 +98,20 @@ def test_a_folder_reads_the_same_archived_or_not(tmp_path: Path) -> None:
     assert run["best"] == {"step": 8, "tau_walk": 1.5, "tau_walk_stderr": 0.1}
     assert summary["logged_training"]["calib_run_b.log"] == {
         "tau_walk_by_step": [[60, 1.084, 0.007, 227]], "errors": ["torch.OutOfMemoryError: CUDA out of memory."]}
+
+
+def test_a_resumed_generation_counts_each_processs_first_batch_of_a_length_apart(tmp_path: Path) -> None:
+    """A worker's first batch of each KV length (compiling its decoding step) is counted apart from the rate, per
+    process: a resumed run appends to generate.log under the same worker names, and compiles again."""
+    line = ("2026-12-06 10:00:00,000 INFO [dflash-generate-0 {pid}] dflash.regenerate: batch of 4 answers (4 rows, "
+            "longest prompt 90, {kv} KV positions): {tokens} new tokens in {seconds} s\n")
+    (tmp_path / "generate.log").write_text("".join(line.format(pid=pid, kv=kv, tokens=tokens, seconds=seconds)
+                                                   for pid, kv, tokens, seconds in [
+                                                       (100, 1024, 40, 9.0), (100, 1024, 40, 2.0),
+                                                       (100, 512, 30, 8.0), (200, 1024, 40, 7.0),
+                                                       (200, 1024, 40, 2.0)]))
+    batches = summarize_results.summarize(tmp_path)["generate_batches"]["generate.log"]
+    assert batches["1024"] == {"batches": 2, "new_tokens": 80, "seconds": 4.0, "tokens_per_s_of_batch_time": 20.0,
+                               "first_batches_s": 16.0}
+    assert batches["512"] == {"batches": 0, "new_tokens": 0, "seconds": 0.0, "tokens_per_s_of_batch_time": None,
+                              "first_batches_s": 8.0}

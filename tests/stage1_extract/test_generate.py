@@ -69,8 +69,24 @@ def _plain_greedy(model: Any, prompt: list[int], max_new: int, stops: list[int])
     return out
 
 
-def test_batched_answers_equal_plain_greedy_decoding_turn_by_turn(smollm2_fp32: tuple[Any, Any, list[int]]) -> None:
+def asking_for_a_repetition_penalty(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Give `model` a generation_config.json that asks for more than plain decoding (as Qwen2.5-Instruct's asks for
+    a repetition penalty of 1.05): transformers' `generate` applies what it finds there unless told otherwise."""
+    from transformers import GenerationConfig
+
+    monkeypatch.setattr(model, "generation_config", GenerationConfig(
+        repetition_penalty=1.5, no_repeat_ngram_size=2, eos_token_id=model.generation_config.eos_token_id))
+
+
+@pytest.mark.parametrize("model_settings", ["plain", "repetition penalty"])
+def test_batched_answers_equal_plain_greedy_decoding_turn_by_turn(smollm2_fp32: tuple[Any, Any, list[int]],
+                                                                  model_settings: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each answer is plain greedy decoding of its prompt, also when the target's generation config asks for a
+    repetition penalty and banned n-grams (the drafter learns the target's own next-token choice)."""
     model, tokenizer, stops = smollm2_fp32
+    if model_settings != "plain":
+        asking_for_a_repetition_penalty(model, monkeypatch)
     conversations = _conversations(7)
     settings = GenerateSettings(max_new_tokens=10, max_length=512, batch_tokens=10_000)
     records = ConversationRegenerator(model, tokenizer, stops, settings).regenerate(
@@ -186,10 +202,28 @@ def test_static_cache_batches_give_the_default_answers(smollm2_fp32: tuple[Any, 
     assert all(v["first_batches_s"] > 0 for v in by_length.values())
 
 
-def test_continuous_batching_gives_the_default_answers(smollm2_fp32: tuple[Any, Any, list[int]]) -> None:
-    """transformers' continuous batching over every prompt of a turn at once gives the default path's answers, those
-    cut by --max-length below --max-new-tokens (prompts near the limit) included."""
+def test_static_batches_may_compile_every_cache_length(smollm2_fp32: tuple[Any, Any, list[int]],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --static-cache every cache length the settings allow (and each again at halved rows) stays under
+    torch's recompile limit, past which transformers' compiled decoding step would silently run uncompiled."""
     model, tokenizer, stops = smollm2_fp32
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    settings = GenerateSettings(max_new_tokens=1024, max_length=4096, batch_tokens=1 << 20, static_cache=True)
+    lengths = {settings.batch_cache_len(needed) for needed in range(1, settings.cache_len + 1)}
+    assert len(lengths) == 10
+    ConversationRegenerator(model, tokenizer, stops, settings)
+    assert torch._dynamo.config.recompile_limit >= 2 * len(lengths)
+    ConversationRegenerator(model, tokenizer, stops, replace(settings, max_length=512, max_new_tokens=64))
+    assert torch._dynamo.config.recompile_limit >= 2 * len(lengths)  # never lowered
+
+
+def test_continuous_batching_gives_the_default_answers(smollm2_fp32: tuple[Any, Any, list[int]],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' continuous batching over every prompt of a turn at once gives the default path's answers, those
+    cut by --max-length below --max-new-tokens (prompts near the limit) included, and so does a target whose
+    generation config asks for a repetition penalty (which only the default path would otherwise apply)."""
+    model, tokenizer, stops = smollm2_fp32
+    asking_for_a_repetition_penalty(model, monkeypatch)
     pairs = [(c.sample_id, c) for c in _conversations(7)]
     settings = GenerateSettings(max_new_tokens=10, max_length=90, batch_tokens=4096)
     budgets = [answer_budget(settings, first_prompt_tokens(tokenizer, c), end_of_turn_tokens(tokenizer))

@@ -352,3 +352,28 @@ def test_eval_cli_says_what_differs_for_a_users_prompts(exported: Path, tmp_path
     bad = run_dflash("eval", "--draft", str(exported), "--data", str(data), "--out", str(out),
                      "--chat-template-kwargs", "{enable_thinking: false}")
     assert bad.returncode == 2 and "--chat-template-kwargs" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_static_capacity_covers_prompts_rendered_with_the_template_kwargs(
+        exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The static buffers eval sizes once (so that no prompt rebuilds them inside its timing) hold every prompt as
+    the timed loop renders it, with --chat-template-kwargs (here: enable_thinking false adds an empty thinking
+    block to every prompt), its new tokens and the widest verify block."""
+    import dflash.stage2_train.evaluate as evaluate
+
+    template = tmp_path / "serving.jinja"
+    template.write_text(thinking_template())
+    calls: list[tuple[int, int, int]] = []
+    original = evaluate.speculative_generate
+
+    def recorded(target: Any, draft: Any, embed: Any, head: Any, ids: list[int], layer_ids: list[int], n: int,
+                 *args: Any, **kwargs: Any) -> Any:
+        calls.append((len(ids), n, kwargs["capacity"]))
+        return original(target, draft, embed, head, ids, layer_ids, n, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "speculative_generate", recorded)
+    evaluate.run_eval(exported, "mtbench", tmp_path / "eval", max_samples=2, max_new_tokens=4, baselines=False,
+                      chat_template=template, chat_template_kwargs={"enable_thinking": False}, decode="static")
+    block = 16
+    assert len(calls) == 3  # the warm-up and two prompts
+    assert all(capacity >= length + n + block for length, n, capacity in calls), calls
