@@ -319,6 +319,10 @@ def main() -> None:
                         help="build each micro-batch's layout, labels, label positions and top-k rows in the main "
                              "process (the code before the loader's workers built them: "
                              "run_setup.STEP_INPUTS_IN_WORKERS), to compare")
+    parser.add_argument("--features-on-compute-stream", action="store_true",
+                        help="copy each micro-batch's stored features to the GPU on the compute stream, behind the "
+                             "work queued there (the code before trainer.stored_features copied them on a side "
+                             "stream), to compare")
     parser.add_argument("--foreach-adamw", action="store_true",
                         help="AdamW's default (foreach) implementation on CUDA too (the code before "
                              "run_setup.FUSED_ADAMW), to compare")
@@ -348,6 +352,8 @@ def main() -> None:
         attention_masks.BUCKET_WINDOWS = False
     if args.pageable_inputs:
         trainer_module.PIN_INPUTS = False
+    if args.features_on_compute_stream:
+        trainer_module.COPY_FEATURES_ASIDE = False
     if args.small_loss_chunks:
         loss_module.CUDA_CHUNK_BYTES = 0
     if args.foreach_adamw:
@@ -493,6 +499,7 @@ def main() -> None:
                                          "math": torch.backends.cuda.math_sdp_enabled()},
                "exact_windows": not attention_masks.BUCKET_WINDOWS, "record_at_once": args.record_at_once,
                "pinned_inputs": trainer_module.PIN_INPUTS,
+               "features_copied_aside": trainer_module.COPY_FEATURES_ASIDE,  # (a CPU copies nothing)
                "inputs_in_workers": run_setup_module.STEP_INPUTS_IN_WORKERS,
                "loss_chunk_rows": loss_module.chunk_rows(int(run.config.vocab_size), device.type),
                "adamw_fused": bool(run.optimizer.param_groups[0].get("fused")),

@@ -11,6 +11,7 @@ the update is the same for any split of the global batch over processes and accu
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -198,6 +199,44 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+# Whether a micro-batch's stored features, the bulk of its bytes (~141 MB in fp8 for 49,152 tokens of the SmolLM2
+# drafter's 5 target layers, ~252 MB for the Qwen3-8B-shaped benchmark's micro-batch), are copied to a CUDA device
+# on a stream of their own (`stored_features`); False copies them on the compute stream as before, behind the work
+# queued there (benchmarks/bench_train.py --features-on-compute-stream compares the two).
+COPY_FEATURES_ASIDE = True
+
+
+@functools.cache
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream the features of every micro-batch are copied on (one per device, made when first needed)."""
+    return torch.cuda.Stream(device)
+
+
+def stored_features(batch: dict[str, Any], device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """The micro-batch's stored features and their scales (None for a codec without) on `device`, for the codec to
+    decode.
+
+    On CUDA the copies run on `copy_stream`: the host runs ahead of the device (nothing in a step waits for it), so
+    they are queued while the device still computes the micro-batch or step before, and overlap it instead of
+    following it on the compute stream. The compute stream waits for them before their first use, and they are
+    marked as used there (`record_stream`), so that the caching allocator hands their memory to a later copy only
+    once the kernels queued up to their release have run. (One more micro-batch's stored features can thus be on
+    the device while the last one's are still in use: the memory plan counts them, `memory_plan.step_bytes`.)"""
+    scales = batch.get("feature_scales")
+    if device.type != "cuda" or not COPY_FEATURES_ASIDE:
+        return to_device(batch["features"], device), None if scales is None else to_device(scales, device)
+    compute, side = torch.cuda.current_stream(device), copy_stream(device)
+    with torch.cuda.stream(side):
+        copied = [None if tensor is None else to_device(tensor, device) for tensor in (batch["features"], scales)]
+    compute.wait_stream(side)
+    for tensor in copied:
+        if tensor is not None:
+            tensor.record_stream(compute)
+    features, scales = copied
+    assert features is not None
+    return features, scales
+
+
 def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
                        feature_transform: FeatureTransform | None = None) -> MicroBatch:
     """A packed loader batch (CPU) -> the micro-batch on the device: its layout, labels, label positions and top-k
@@ -210,9 +249,7 @@ def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
     if inputs is None:
         inputs = packed_step_inputs(batch, run.options.block_size, run.mask_token_id)
     layout = packed_layout(batch, run.options.block_size, inputs)
-    scales = batch.get("feature_scales")
-    features = run.codec.decode(to_device(batch["features"], device),
-                                None if scales is None else to_device(scales, device), run.compute_dtype)
+    features = run.codec.decode(*stored_features(batch, device), run.compute_dtype)
     if feature_transform is not None:
         features = feature_transform(features)
     topk_ids, topk_logprobs = (to_device(inputs[name], device) if name in inputs else None
@@ -350,7 +387,8 @@ def accumulate_parts(run: TrainingRun, parts: list[dict[str, Any]],
                      feature_transform: FeatureTransform | None = None) -> StepTally:
     """Forward and backward over this rank's micro-batches of a global step (`step_parts`, on the host), gradients
     accumulated; returns what they add up to, for `update_weights`. Each part is copied to the device just before
-    its forward, so that one micro-batch's inputs are there at a time, as the memory plan budgets; the loss
+    its forward, so that one micro-batch's inputs are there at a time, as the memory plan budgets (on CUDA, with
+    the next one's stored features arriving while it computes: `stored_features`); the loss
     normaliser is counted from the labels on the host."""
     local_weight = sum(weight_sum(part[STEP_INPUTS]["labels"], run.host_position_weights) for part in parts)
     return _accumulate(run, parts, to_device(local_weight, run.device),

@@ -24,7 +24,7 @@ def test_real_cache_steps_are_timed_by_phase(baseline_cache: Path, tmp_path: Pat
     result = run_bench("--cache", str(baseline_cache), "--train-flags", flags, "--steps", "2", "--warmup", "1",
                        "--profile", "1", "--profile-source", "loader", "--sdpa-backends", "math,efficient",
                        "--exact-windows", "--record-at-once", "--pageable-inputs", "--small-loss-chunks", "--foreach-adamw",
-                       "--inputs-in-main",
+                       "--inputs-in-main", "--features-on-compute-stream",
                        "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr[-4000:]
     name = "smollm2-135m-instruct-real_dflash2_sdpa_cpu"
@@ -35,7 +35,7 @@ def test_real_cache_steps_are_timed_by_phase(baseline_cache: Path, tmp_path: Pat
     assert summary["exact_windows"] is True and summary["record_at_once"] is True
     assert summary["pinned_inputs"] is False and summary["loss_chunk_rows"] == 1024
     assert summary["adamw_fused"] is False  # (the CPU never fuses it)
-    assert summary["inputs_in_workers"] is False
+    assert summary["inputs_in_workers"] is False and summary["features_copied_aside"] is False
     assert summary["sdpa_backends_enabled"] == {"cudnn": False, "efficient": True, "flash": False, "math": True}
     assert "not counted" in summary["flops_counted"]  # DFlash 2's own parts are left out of the FLOPs, and said so
     for variant in ("memory", "loader"):

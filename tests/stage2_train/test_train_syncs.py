@@ -223,3 +223,76 @@ def test_to_device_pins_a_pageable_tensor_before_a_cuda_copy(monkeypatch: pytest
     calls.clear()
     trainer.to_device(torch.zeros(3), torch.device("cpu"))
     assert calls == [("to", ("cpu", True, False))]
+
+
+def test_stored_features_are_copied_on_a_side_stream_the_compute_stream_waits_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the stored features and scales are copied (through `to_device`) while the side stream is current; then
+    the compute stream waits for the side stream and each copy is marked as used on the compute stream, in that
+    order; with COPY_FEATURES_ASIDE off (bench_train.py --features-on-compute-stream), and on the CPU, they are copied
+    on the current stream. (This machine has no GPU: the stream calls are recorded instead of made.)"""
+    events: list[tuple[str, Any]] = []
+
+    class FakeStream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: FakeStream) -> None:
+            events.append(("wait", (self.name, other.name)))
+
+    current = [FakeStream("compute")]
+
+    class StreamContext:
+        def __init__(self, stream: FakeStream) -> None:
+            self.stream, self.saved = stream, None
+
+        def __enter__(self) -> None:
+            self.saved, current[0] = current[0], self.stream
+
+        def __exit__(self, *exc: Any) -> None:
+            current[0] = self.saved
+
+    def copied(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        events.append(("copy", (current[0].name, str(device), tuple(tensor.shape))))
+        return tensor.clone()
+
+    monkeypatch.setattr(trainer, "to_device", copied)
+    monkeypatch.setattr(trainer, "copy_stream", lambda device: FakeStream("side"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: events.append(("record", (tuple(self.shape), stream.name))))
+    batch = {"features": torch.zeros(5, 12, dtype=torch.uint8), "feature_scales": torch.ones(5, 3)}
+    cuda = torch.device("cuda", 0)
+    features, scales = trainer.stored_features(batch, cuda)
+    assert torch.equal(features, batch["features"]) and scales is not None and torch.equal(scales, batch["feature_scales"])
+    assert events == [("copy", ("side", "cuda:0", (5, 12))), ("copy", ("side", "cuda:0", (5, 3))),
+                      ("wait", ("compute", "side")), ("record", ((5, 12), "compute")), ("record", ((5, 3), "compute"))]
+    events.clear()
+    assert trainer.stored_features({"features": batch["features"]}, cuda)[1] is None  # an unscaled codec
+    assert [e[0] for e in events] == ["copy", "wait", "record"]
+    events.clear()
+    monkeypatch.setattr(trainer, "COPY_FEATURES_ASIDE", False)
+    trainer.stored_features(batch, cuda)
+    assert events == [("copy", ("compute", "cuda:0", (5, 12))), ("copy", ("compute", "cuda:0", (5, 3)))]
+    events.clear()
+    monkeypatch.setattr(trainer, "COPY_FEATURES_ASIDE", True)
+    trainer.stored_features(batch, torch.device("cpu"))
+    assert events == [("copy", ("compute", "cpu", (5, 12))), ("copy", ("compute", "cpu", (5, 3)))]
+
+
+@pytest.mark.gpu
+def test_features_copied_aside_train_as_those_copied_on_the_compute_stream(
+        train_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU (float32, two micro-batches a step): the run with the features copied on the side stream has the
+    losses of the run that copies them on the compute stream, step for step (to float rounding: the same kernels on
+    the same inputs, some with atomics)."""
+    options = replace(dflash2_options(train_cache, tmp_path / "aside"), eval_every=0, checkpoint_every=0,
+                      log_every=1, max_steps=6)
+    trainer.train(options)
+    monkeypatch.setattr(trainer, "COPY_FEATURES_ASIDE", False)
+    trainer.train(replace(options, out=tmp_path / "compute"))
+    aside, compute = records(tmp_path / "aside"), records(tmp_path / "compute")
+    losses = [(a["loss"], c["loss"]) for a, c in zip(aside, compute, strict=True) if "loss" in a]
+    assert len(losses) == 6
+    assert all(abs(a - c) <= 1e-4 * abs(c) for a, c in losses), losses
