@@ -69,6 +69,7 @@ from dflash.stage2_train.speculative import (
     acceptance_by_position,
     first_difference,
     greedy_generate,
+    prewarm_prompt_lookup,
     prompt_lookup_generate,
 )
 
@@ -453,7 +454,8 @@ def _summarise(name: str, samples: list[dict[str, Any]], runs: dict[str, list[Sp
                               else math.nan),
         "greedy_identical": sum(1 for s in samples if s.get("identical")) if greedy else None,
         "tie_divergences": sum(1 for s in samples if "tie_at" in s) if greedy else None,
-        "prompt_lookup_identical": sum(1 for s in samples if s.get("prompt_lookup_identical")),
+        "prompt_lookup_identical": (sum(1 for s in samples if s.get("prompt_lookup_identical"))
+                                    if any("prompt_lookup_identical" in s for s in samples) else None),
         "samples": samples,
     }
 
@@ -705,7 +707,10 @@ def run_eval(
     layer_ids = list(draft.config.target_layer_ids)
     block_size = int(draft.config.block_size)
     greedy = temperature == 0
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    # Sampling draws on the target's device (a CPU generator copied each block's [B - 1, V] probabilities to the host
+    # inside the timed loop), one generator per method, so dflash's samples do not depend on whether plain
+    # decoding ran between its prompts (--no-baselines).
+    generators = {method: torch.Generator(device=device).manual_seed(seed) for method in ("dflash", "plain")}
 
     # Static buffers sized once for the longest prompt and the widest verify block (DFlash's, or prompt lookup's),
     # so the warm-up captures the graphs every prompt reuses.
@@ -713,25 +718,30 @@ def run_eval(
                    for ps in prompts_by_dataset.values()
                    for p in ps) + max_new_tokens + max(block_size, PROMPT_LOOKUP_TOKENS + 1)
 
-    def dflash(ids: list[int], n: int) -> SpecResult:
-        return speculative_generate(target, draft, embed, head, ids, layer_ids, n, stops, temperature=temperature,
-                                    generator=generator, decode=decode, capacity=capacity)
+    def dflash(ids: list[int], n: int, stop_ids: list[int] = stops) -> SpecResult:
+        return speculative_generate(target, draft, embed, head, ids, layer_ids, n, stop_ids, temperature=temperature,
+                                    generator=generators["dflash"], decode=decode, capacity=capacity)
 
-    # Warm-up (untimed): first calls allocate and pick kernels.
+    # Warm-up (untimed): first calls allocate, pick kernels, compile and capture graphs. Without stop tokens, so that
+    # a first prompt answered by a stop token at once still runs the steps it warms up.
     first_prompt = next(iter(prompts_by_dataset.values()))[0]
     first = first_prompt.ids or tokenize_prompt(tokenizer, first_prompt.messages, template_kwargs)
-    lookup_refused = None if baselines else "not run (--no-baselines)"
+    lookup_refused = ("not run (--no-baselines)" if not baselines
+                      else "not run: greedy only (--temperature > 0)" if not greedy else None)
 
-    def lookup(ids: list[int], n: int) -> SpecResult:
-        return SpecResult(tokens=[]) if lookup_refused else prompt_lookup_generate(target, ids, n, stops,
+    def lookup(ids: list[int], n: int, stop_ids: list[int] = stops) -> SpecResult:
+        return SpecResult(tokens=[]) if lookup_refused else prompt_lookup_generate(target, ids, n, stop_ids,
                                                                                     decode=decode, capacity=capacity)
 
     log.info("evaluating %s with the target %s on %s (%d prompts): warming up", draft_dir, resolved.display_name,
              device, sum(len(prompts) for prompts in prompts_by_dataset.values()))
-    decode_path = dflash(first, 4).decode  # what --decode resolved to (e.g. hybrid targets stay dynamic)
+    decode_path = dflash(first, 4, []).decode  # what --decode resolved to (e.g. hybrid targets stay dynamic)
+    plain_decode_path = None
     if baselines:
-        greedy_generate(target, first, 4, stops, decode=decode, capacity=capacity)
-    lookup(first, 4)
+        plain_decode_path = greedy_generate(target, first, 4, [], decode=decode, capacity=capacity).decode
+    if not lookup_refused:
+        lookup(first, 4, [])
+        prewarm_prompt_lookup(target, capacity, decode)  # every verify width it may use, not inside a timed prompt
 
     training = training_acceptance(draft_dir)
     offline = _offline_test_tau(training)
@@ -745,8 +755,9 @@ def run_eval(
             prompt_started = time.time()
             ids = prompt.ids or tokenize_prompt(tokenizer, prompt.messages, template_kwargs)
             spec = dflash(ids, max_new_tokens)
-            plain = (greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature, generator=generator,
-                                     decode=decode, capacity=capacity) if baselines else SpecResult(tokens=[]))
+            plain = (greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature,
+                                     generator=generators["plain"], decode=decode, capacity=capacity)
+                     if baselines else SpecResult(tokens=[]))
             lookup_result = lookup(ids, max_new_tokens)
             sample: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "new_tokens": len(spec.tokens),
                                       "steps": spec.steps, "tau": spec.tau, "accepted": spec.accepted,
@@ -788,6 +799,7 @@ def run_eval(
         "baselines": baselines,
         "decode": decode,
         "decode_path": decode_path,
+        "decode_path_plain": plain_decode_path,
         "max_new_tokens": max_new_tokens,
         "max_samples": max_samples,
         "block_size": block_size,

@@ -62,7 +62,7 @@ from __future__ import annotations
 import copy
 import inspect
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -847,6 +847,18 @@ class TargetRunner:
     def reset(self) -> None:
         """Empty the static cache for a new prompt (the buffers stay; what they hold past `length` is never read)."""
         self.length = 0
+
+    def prewarm(self, widths: Iterable[int]) -> None:
+        """Capture the CUDA graphs of these forward widths now (an untimed warm-up), each run once on dummy tokens
+        at position 0; the cache is empty afterwards (what they wrote lies past `length` and is never read). Does
+        nothing without graphs."""
+        if self.capacity is None or not self.graphs:
+            return
+        for width in widths:
+            if (width, False) not in self._forwards and width <= self.capacity:
+                self.reset()
+                self._static_forward([0] * width, 0, last_only=False)
+        self.reset()
 
     @property
     def graph_failure(self) -> str | None:

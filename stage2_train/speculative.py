@@ -131,6 +131,16 @@ def prompt_lookup_generate(
                       decode=runner.path + runner.path_note)
 
 
+@torch.inference_mode()
+def prewarm_prompt_lookup(target: nn.Module, capacity: int, decode: str = "auto",
+                          num_tokens: int = PROMPT_LOOKUP_TOKENS) -> None:
+    """Capture every verify width prompt lookup may use (1 to ``num_tokens`` + 1) on the runner its generations of
+    ``capacity`` positions will use, so that no capture falls inside a timed generation (one step of a warm-up
+    generation sees one or two widths)."""
+    runner = target_runner(target, (), capacity, decode, planned=capacity > 0)
+    runner.prewarm(range(1, num_tokens + 2))
+
+
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first differing token (or the shorter length if one is a prefix of the other); None if equal."""
     for i, (x, y) in enumerate(zip(a, b)):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -357,6 +358,39 @@ def test_run_eval_end_to_end(exported: Path, tmp_path: Path) -> None:
     assert only["new_tokens"]["plain"] == only["new_tokens"]["prompt_lookup"] == 0
     assert only["greedy_identical"] is None and math.isnan(only["speedup"]["dflash"])
     assert alone["baselines"] is False and "| mtbench | 2 |" in (tmp_path / "alone" / "eval.md").read_text()
+
+
+def test_run_eval_sampling_draws_each_methods_own_samples_and_leaves_prompt_lookup_out(
+        exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At temperature > 0: dflash and plain decoding draw from generators of their own on the target's device, so
+    --no-baselines gives dflash the same samples (a shared generator moved with plain decoding's draws); prompt
+    lookup, greedy only, is not run and not reported as identical; the warm-up runs without stop tokens."""
+    import dflash.stage2_train.evaluate as evaluate
+
+    calls: list[tuple[int, list[int], str]] = []
+    drafts: list[list[int]] = []  # each generation's tokens
+    original = evaluate.speculative_generate
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args[6], list(args[7]), str(kwargs["generator"].device)))
+        result = original(*args, **kwargs)
+        drafts.append(result.tokens)
+        return result
+
+    monkeypatch.setattr(evaluate, "speculative_generate", recorded)
+    both = evaluate.run_eval(exported, "mtbench", tmp_path / "both", max_samples=2, max_new_tokens=16,
+                             temperature=0.7)
+    assert calls[0][:2] == (4, []) and all(stops for _, stops, _ in calls[1:])  # the warm-up's, then two prompts'
+    assert {device for _, _, device in calls} == {"cpu"}  # the target's device here
+    alone = evaluate.run_eval(exported, "mtbench", tmp_path / "alone", max_samples=2, max_new_tokens=16,
+                              temperature=0.7, baselines=False)
+    assert len(drafts) == 6 and drafts[4:] == drafts[1:3]  # the two prompts' samples, with and without baselines
+    assert drafts[1] != drafts[2]  # (sampled: two prompts' answers differ)
+    stats = both["datasets"]["mtbench"]
+    assert both["prompt_lookup_unavailable"] == "not run: greedy only (--temperature > 0)"
+    assert stats["new_tokens"]["prompt_lookup"] == 0 and stats["new_tokens"]["plain"] > 0
+    assert stats["prompt_lookup_identical"] is None and stats["greedy_identical"] is None
+    assert both["decode_path_plain"] == both["decode_path"] == "dynamic"
 
 
 def test_run_eval_jsonl_prompts(tmp_path: Path) -> None:

@@ -249,3 +249,23 @@ def test_static_capacity_fits_what_is_needed_with_bounded_slack(needed: int) -> 
     planned, grown = loop.static_capacity(needed, planned=True), loop.static_capacity(needed)
     assert planned % 256 == 0 and needed <= planned < needed + 256
     assert grown & (grown - 1) == 0 and needed <= grown and (grown == 256 or grown < 2 * needed)
+
+
+@pytest.mark.gpu
+def test_prompt_lookups_verify_widths_are_captured_before_its_generations(tmp_path: Path) -> None:
+    """On a GPU: `prewarm_prompt_lookup` (dflash eval's warm-up) captures every verify width prompt lookup may use,
+    so its generations capture nothing inside their timing, and give plain greedy decoding's tokens after it."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.shared.target_loading import resolve_target
+
+    folder = build_family("llama", Path(resolve_target(None).load_path), tmp_path / "llama")
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    spec.prewarm_prompt_lookup(target, 256, "auto")
+    (runner,) = target.__dict__["_dflash_static_runners"].values()
+    captured = {key for key, forward in runner._forwards.items() if forward.graph is not None}
+    assert {(width, False) for width in range(1, spec.PROMPT_LOOKUP_TOKENS + 2)} <= captured
+    prompt = list(range(300, 320)) * 3  # repeats: prompt lookup finds proposals of several lengths
+    lookup = spec.prompt_lookup_generate(target, prompt, 40, [], capacity=256)
+    assert set(runner._forwards) == captured and lookup.steps > 0
+    assert lookup.tokens == spec.greedy_generate(target, prompt, 40, [], decode="auto", capacity=256).tokens
