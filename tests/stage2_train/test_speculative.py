@@ -384,6 +384,7 @@ def test_run_eval_sampling_draws_each_methods_own_samples_and_leaves_prompt_look
     assert {device for _, _, device in calls} == {"cpu"}  # the target's device here
     alone = evaluate.run_eval(exported, "mtbench", tmp_path / "alone", max_samples=2, max_new_tokens=16,
                               temperature=0.7, baselines=False)
+    assert alone["datasets"]["mtbench"]["new_tokens"]["plain"] == 0
     assert len(drafts) == 6 and drafts[4:] == drafts[1:3]  # the two prompts' samples, with and without baselines
     assert drafts[1] != drafts[2]  # (sampled: two prompts' answers differ)
     stats = both["datasets"]["mtbench"]
