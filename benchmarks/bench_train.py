@@ -322,7 +322,7 @@ def main() -> None:
     parser.add_argument("--features-on-compute-stream", action="store_true",
                         help="copy each micro-batch's stored features to the GPU on the compute stream, behind the "
                              "work queued there (the code before trainer.stored_features copied them on a side "
-                             "stream), to compare")
+                             "stream), to compare (the memory plan is the same, so are the micro-batches)")
     parser.add_argument("--foreach-adamw", action="store_true",
                         help="AdamW's default (foreach) implementation on CUDA too (the code before "
                              "run_setup.FUSED_ADAMW), to compare")

@@ -1,7 +1,8 @@
 """What one epoch trains: the micro-batches of its plan, and the anchors (blocks) of each sample.
 
-Both are pure functions of (cache index, seed, epoch), never of the number of DataLoader workers, the rank, or
-where a run was resumed:
+Both are pure functions of (cache index, seed, epoch) and the run's settings (the token budget, the anchor rule, the
+number of processes, which truncates the plan), never of the number of DataLoader workers, the rank, or where a run
+was resumed (--resume refuses other settings, and a cache index with other training samples: `run_setup.resume`):
 
 * `plan_epoch` shuffles the training samples per (seed, epoch) and packs them greedily, in that order, into
   micro-batches of at most `batch_tokens` tokens (context plus blocks: `AnchorRule.cost`), shuffles the micro-batch

@@ -51,7 +51,9 @@ class DrafterShape:
     loss_chunk: int = 1024  # rows of the loss's chunks (`loss.chunk_rows`)
     conv_kernel: int = 0  # DFlash 2: taps of the convolution around each sublayer (0: a DFlash drafter)
     selector_top_k: int = 0  # DFlash 2: the path selector's candidates per position
-    features_copied_ahead: bool = False  # CUDA: the next micro-batch's stored features arrive during this one
+    # CUDA: the stored features copied on the side stream (`trainer.stored_features`) that may be alive beside
+    # any step, whatever its split: up to two global steps' worth (set by run_setup.plan_memory)
+    copied_aside_bytes: int = 0
 
     @classmethod
     def of(cls, config: Any, trainable_params: int, element_bytes: int, device_type: str = "cpu") -> DrafterShape:
@@ -62,8 +64,7 @@ class DrafterShape:
                    trainable_params=trainable_params,  # DFlash 2's codebooks ([V, r] each) are counted here
                    conv_kernel=int((config.dflash_config or {}).get("conv_kernel_size", 0)),
                    selector_top_k=int((config.dflash_config or {}).get("selector_top_k", 0)),
-                   loss_chunk=chunk_rows(config.vocab_size, device_type),
-                   features_copied_ahead=device_type == "cuda")
+                   loss_chunk=chunk_rows(config.vocab_size, device_type))
 
 
 def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:
@@ -74,10 +75,7 @@ def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:
     k = context_tokens + q
     h, i, d = shape.hidden, shape.intermediate, shape.head_dim
     qh, kvh = shape.heads * d, shape.kv_heads * d
-    # The context: its decoded features, their stored bytes (one a value in fp8), on CUDA the next micro-batch's
-    # too, copied in while this one computes (`trainer.stored_features`), and the projected context.
-    stored = 2 if shape.features_copied_ahead else 1
-    context = context_tokens * (shape.context_dim * (b + stored) + h * (2 * b + 2 * fp32))
+    context = context_tokens * (shape.context_dim * (b + 1) + h * (2 * b + 2 * fp32))
     # Per layer: norms (input and float32 copy), q/k/v and their norms and RoPE copies, the keys and values as the
     # grouped attention copies and expands them to every query head (up to MAX_PACKED_COPIES_RATIO times the whole
     # mask's keys), the boolean mask (the whole one: an upper bound), the attention output, o_proj and the
@@ -102,8 +100,9 @@ def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:
 
 
 def fixed_bytes(shape: DrafterShape) -> int:
-    """The optimizer state and gradients the first step allocates (AdamW: two float32 moments; float32 grads)."""
-    return 12 * shape.trainable_params
+    """The optimizer state and gradients the first step allocates (AdamW: two float32 moments; float32 grads), and
+    on CUDA the stored features copied aside."""
+    return 12 * shape.trainable_params + shape.copied_aside_bytes
 
 
 def device_limit_bytes(device: Any) -> int:

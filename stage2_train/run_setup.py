@@ -29,7 +29,7 @@ from dflash.stage2_train.draft_config import DFLASH2_DEFAULTS, DFlashConfig, con
 from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch, rank_plan
 from dflash.stage2_train.modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from dflash.stage2_train.loss import default_gamma, position_weights
-from dflash.stage2_train.memory_plan import (GIB, DrafterShape, MemoryPlan, in_use_bytes,
+from dflash.stage2_train.memory_plan import (GIB, SAFETY, DrafterShape, MemoryPlan, in_use_bytes,
                                              limit_from_option, make_plan, step_bytes)
 from dflash.stage2_train.objective import NEEDS_TARGET_TOPK, Objective, check_cache_for, make_objective
 from dflash.stage2_train.options import TrainOptions
@@ -48,12 +48,14 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     position: int = 0  # micro-batches of this rank's plan already consumed in `epoch`
+    plan: dict[str, int] = field(default_factory=dict)  # what the epochs' plans are made from (`plan_inputs`)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.epoch, self.position = int(state["step"]), int(state["epoch"]), int(state["position"])
+        self.plan = dict(state.get("plan", {}))  # (none in checkpoints written before 2026-12-06)
 
 
 # Whether the loader's workers build each batch's step inputs (layout, labels, label positions, top-k rows:
@@ -211,6 +213,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     run.memory = plan_memory(run)
     if options.compile:
         compile_layers(accelerator.unwrap_model(run.model))
+    run.state.plan = plan_inputs(run)
     accelerator.register_for_checkpointing(run.state)
     if options.resume:
         resume(run)
@@ -453,6 +456,14 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
 
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
     shape = DrafterShape.of(run.config, trainable, torch.finfo(run.compute_dtype).bits // 8, run.device.type)
+    if run.device.type == "cuda":
+        # The stored features copied on the side stream (trainer.stored_features): a freed copy is reused only once
+        # the device has passed its last use, and the host runs about a step ahead, so the copies of two global
+        # steps (each at most grad_accum batches of --batch-tokens) can be alive at once, however they are split.
+        token_bytes = shape.context_dim * run.codec.stored_dtype.itemsize
+        if run.codec.scaled:
+            token_bytes += 4 * run.config.num_context_layers
+        shape = replace(shape, copied_aside_bytes=2 * run.options.grad_accum * run.options.batch_tokens * token_bytes)
     train = run.index.is_train
     lengths = run.index.lengths[train]
     blocks = run.anchor_rule.count(run.index.candidates[train])
@@ -464,11 +475,26 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
     plan = make_plan(shape, largest, (int(lengths[costliest]), int(blocks[costliest])), limit, str(run.device),
                      in_use_bytes(run.device))
     split = int(step_bytes(shape, *largest)) > plan.budget_bytes
+    if split and run.options.fsdp and run.world > 1:
+        raise UserError(one_forward_a_step_under_fsdp(
+            run.world, f"the largest micro-batch ({largest[0]} tokens, {largest[1]} blocks) needs "
+            f"~{step_bytes(shape, *largest) * SAFETY / GIB:.1f} GiB, more than the "
+            f"{plan.budget_bytes * SAFETY / GIB:.1f} GiB a micro-batch may use"))
     log.info("memory: %.2f GiB in use, %.2f GiB free on %s; planned peak %.2f GiB more (the largest micro-batch, %d "
              "tokens and %d blocks, with the optimizer state)%s", plan.in_use_bytes / GIB, limit / GIB, run.device,
              plan.planned_peak_bytes / GIB, largest[0],
              largest[1], "; micro-batches that do not fit are split and accumulated" if split else "")
     return plan
+
+
+def one_forward_a_step_under_fsdp(world: int, why: str) -> str:
+    """The line that stops a run of several FSDP processes whose micro-batch the memory plan would split: every
+    forward gathers each layer's shards from all processes, so the processes must run the same number of forwards a
+    step, and each splits only its own micro-batches (under DDP only the last backward synchronises: splitting is
+    safe there)."""
+    return (f"--fsdp on {world} processes: {why}, and FSDP's processes cannot split their micro-batches each on "
+            "its own (they would wait on each other's forwards): lower --batch-tokens or --max-anchors, or train "
+            "with DDP (leave --fsdp out)")
 
 
 def cosine_with_warmup(total_steps: int, warmup_fraction: float) -> Any:
@@ -527,6 +553,14 @@ def make_optimizer(run: TrainingRun) -> None:
     run.accelerator.register_for_checkpointing(scheduler)
 
 
+def plan_inputs(run: TrainingRun) -> dict[str, int]:
+    """What the epochs' plans, and so a saved data position, depend on besides the split and anchor flags
+    (`keep_recorded_plan`): the training samples (the cache's finished shards), the token budget, the accumulation
+    and the processes."""
+    return {"train samples": len(run.index.train), "--batch-tokens": run.options.batch_tokens,
+            "--grad-accum": run.options.grad_accum, "processes": run.world}
+
+
 def resume(run: TrainingRun) -> None:
     """--resume: refuse a run whose drafter has other sizes, then load its newest intact checkpoint (model,
     optimizer, schedule, RNG, data position) and the best validation tau it kept."""
@@ -549,7 +583,16 @@ def resume(run: TrainingRun) -> None:
     if latest is None:
         log.info("--resume: no checkpoint in %s, starting from scratch", run.files.checkpoints)
         return
+    planned = run.state.plan
     run.accelerator.load_state(str(latest))
+    recorded, run.state.plan = run.state.plan, planned
+    differences = [f"{name}: the run had {recorded[name]:,}, now {planned[name]:,}" for name in planned
+                   if name in recorded and recorded[name] != planned[name]]
+    if differences:
+        raise UserError(f"--resume: the epochs of the run in {run.files.root} were planned otherwise, so its saved "
+                        "data position would skip or repeat samples:\n  " + "\n  ".join(differences)
+                        + "\nresume with the flags, processes and finished shards it was started with (train "
+                        "samples change when extraction finished more shards since), or train into a new --out")
     keep_adamw_implementation(run.optimizer, adamw_fused(run.device))
     log.info("resumed from %s (step %d, epoch %d, micro-batch %d)", latest, run.state.step, run.state.epoch,
              run.state.position)

@@ -38,7 +38,7 @@ from dflash.stage2_train.objective import MicroBatch
 from dflash.stage2_train.packed_batches import (STEP_INPUTS, packed_layout, packed_step_inputs, sequence_blocks,
                                                 split_packed_batch)
 from dflash.stage2_train.packed_loader import start_loader, stop_loader
-from dflash.stage2_train.run_setup import TrainingRun, TrainOptions, setup_run
+from dflash.stage2_train.run_setup import TrainingRun, TrainOptions, one_forward_a_step_under_fsdp, setup_run
 
 log = get_logger(__name__)
 
@@ -89,6 +89,8 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
         with suppress(Exception):
             step_log.flush()
         raise
+    finally:
+        steps.close()  # the last epoch's loader workers stop here, not after the evaluation and export
     step_log.flush()
     if options.compile:
         from torch._dynamo.utils import counters
@@ -162,6 +164,10 @@ def step_parts(run: TrainingRun, loader_batches: list[dict[str, Any]]) -> list[d
     parts = []
     for batch in loader_batches:
         ranges = run.memory.parts(batch["lengths"].numpy(), sequence_blocks(batch))
+        if len(ranges) > 1 and run.options.fsdp and run.world > 1:  # (the plan checked the first epoch's batches)
+            raise UserError(one_forward_a_step_under_fsdp(
+                run.world, f"a micro-batch of step {run.state.step + 1} ({int(batch['lengths'].sum())} tokens) "
+                "does not fit whole"))
         for part in split_packed_batch(batch, ranges, run.bucket_multiple):
             if STEP_INPUTS not in part:
                 part[STEP_INPUTS] = packed_step_inputs(part, run.options.block_size, run.mask_token_id)
@@ -208,8 +214,10 @@ COPY_FEATURES_ASIDE = True
 
 @functools.cache
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream the features of every micro-batch are copied on (one per device, made when first needed)."""
-    return torch.cuda.Stream(device)
+    """The side stream the features of every micro-batch are copied on (one per device, made when first needed):
+    from torch's pool of high-priority streams, which NCCL's collectives do not draw from (they take the
+    low-priority pool), so that waiting for this stream never waits for a collective."""
+    return torch.cuda.Stream(device, priority=-1)
 
 
 def stored_features(batch: dict[str, Any], device: torch.device) -> tuple[Tensor, Tensor | None]:
@@ -436,7 +444,9 @@ def update_weights(run: TrainingRun, tally: StepTally) -> dict[str, Any]:
               "lr": run.scheduler.get_last_lr()[0],
               "accuracy": correct[1:].sum() / counted[1:].sum().clamp(min=1),
               "labels": counted[1:].sum().long(),  # supervised drafted tokens in the global batch
-              "block_tokens": tally.block_tokens * run.world}
+              "block_tokens": tally.block_tokens}
+    if run.world > 1:  # the processes' own counts summed (an integer tensor: read as int, one step late)
+        record["block_tokens"] = accelerator.reduce(to_device(torch.tensor(tally.block_tokens), run.device), "sum")
     for name in sorted(tally.terms):
         record[f"loss_{name}"] = accelerator.reduce(tally.terms[name], reduction="sum")
     if tally.counts:  # DFlash 2: how often the true token is among the selector's candidates

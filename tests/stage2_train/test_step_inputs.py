@@ -35,9 +35,9 @@ RULE = AnchorRule(0.3, 16, BLOCK)
 
 def cpu_run(cache: Path, memory: mp.MemoryPlan | None = None) -> Any:
     """What `trainer.micro_batch_inputs` and `trainer.micro_batches` read of a TrainingRun, on the CPU."""
-    return SimpleNamespace(device=torch.device("cpu"), options=SimpleNamespace(block_size=BLOCK), mask_token_id=MASK,
-                           codec=manifest_codec(cf.read_manifest(cache)), compute_dtype=torch.float32, memory=memory,
-                           bucket_multiple=PAD)
+    return SimpleNamespace(device=torch.device("cpu"), options=SimpleNamespace(block_size=BLOCK, fsdp=False),
+                           mask_token_id=MASK, codec=manifest_codec(cf.read_manifest(cache)),
+                           compute_dtype=torch.float32, memory=memory, bucket_multiple=PAD)
 
 
 def main_process_micro_batch(run: Any, batch: dict[str, Any]) -> dict[str, Any]:

@@ -250,6 +250,24 @@ def test_resume_into_a_run_of_another_drafter_is_refused(train_cache: Path, tmp_
     assert json.loads((run / "draft_config.json").read_text())["block_size"] == 16  # the run is left as it was
 
 
+def test_resume_with_another_epoch_plan_is_refused_and_the_same_plan_resumes(train_cache: Path,
+                                                                             tmp_path: Path) -> None:
+    """A saved data position holds only in the plan it was saved in: --resume with another --batch-tokens (or
+    --grad-accum, processes, or more finished shards) is refused in one line naming what changed; with the same
+    flags, and a longer --max-steps, it resumes."""
+    run = tmp_path / "run"
+    args = ("--eval-every", "0", "--checkpoint-every", "1", *TRAIN_ARGS)
+    assert run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--max-steps", "1", *args).returncode == 0
+    refused = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--resume", "--max-steps", "2", *args,
+                         "--batch-tokens", "768")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "were planned otherwise" in refused.stderr and "--batch-tokens: the run had 2,304, now 768" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    resumed = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--resume", "--max-steps", "2", *args)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sorted(final_losses(run)) == [1, 2]
+
+
 def test_init_from_an_export_starts_from_its_weights_and_refuses_another_drafter(train_cache: Path,
                                                                                  tmp_path: Path) -> None:
     """--init-from EXPORT: the new run starts from the export's weights (with an lr too small to move them, its own

@@ -258,3 +258,80 @@ def test_cgroup_free_bytes_reads_the_tightest_group(tmp_path: Path) -> None:
     group(v1 / "memory", "4000", 1000, 0, v2=False)
     assert cgroup_free_bytes(proc, v1) == 3000
     assert cgroup_free_bytes(tmp_path / "missing", v1) is None
+
+
+def test_on_cuda_the_plan_counts_two_steps_of_stored_features_copied_aside(
+        train_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the features are copied on a side stream (trainer.stored_features), whose freed copies are reused
+    only once the device has passed their last use: the plan holds two global steps of stored features (grad_accum
+    batches of --batch-tokens each) as fixed memory beside every step; on the CPU nothing."""
+    import torch
+
+    from dflash.stage2_train import memory_plan, run_setup
+    from dflash.stage2_train.options import TrainOptions
+
+    options = TrainOptions(cache=train_cache, out=tmp_path / "run", max_steps=2, draft_layers=1, batch_tokens=1024,
+                           grad_accum=3, num_workers=0, eval_fraction=0.0, test_fraction=0.0, mixed_precision="no",
+                           memory_limit=4.0)
+    run = run_setup.setup_run(options)
+    try:
+        assert run.memory is not None and run.memory.shape.copied_aside_bytes == 0
+        monkeypatch.setattr(run_setup, "in_use_bytes", lambda device: 0)
+        monkeypatch.setattr(type(run), "device", property(lambda self: torch.device("cuda")))
+        plan = run_setup.plan_memory(run)
+    finally:
+        if run.lock is not None:
+            run.lock.release()
+    layers, hidden = run.config.num_context_layers, run.config.hidden_size
+    token_bytes = layers * hidden * run.codec.stored_dtype.itemsize + (4 * layers if run.codec.scaled else 0)
+    assert plan.shape.copied_aside_bytes == 2 * 3 * 1024 * token_bytes
+    assert memory_plan.fixed_bytes(plan.shape) == 12 * plan.shape.trainable_params + plan.shape.copied_aside_bytes
+    assert plan.budget_bytes == int((plan.limit_bytes - memory_plan.fixed_bytes(plan.shape)) / memory_plan.SAFETY)
+
+
+def test_fsdp_processes_refuse_micro_batches_the_plan_would_split(train_cache: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several FSDP processes gather every layer in every forward, so each must run the same forwards a step: a
+    micro-batch the plan would split (each process on its own) stops the run in one line, at the plan or at the step
+    that meets one; DDP and one process split as before. (FSDP needs GPUs: its flag and world are set by hand.)"""
+    from dataclasses import replace
+
+    from dflash.shared.errors import UserError
+    from dflash.stage2_train import memory_plan as mp
+    from dflash.stage2_train import run_setup, trainer
+    from dflash.stage2_train.options import TrainOptions
+    from dflash.stage2_train.packed_loader import start_loader, stop_loader
+
+    options = TrainOptions(cache=train_cache, out=tmp_path / "run", max_steps=2, draft_layers=1, max_anchors=24,
+                           anchor_density=TEST_ANCHOR_DENSITY, batch_tokens=2304, num_workers=0, eval_fraction=0.05,
+                           test_fraction=0.1, mixed_precision="no")
+    run = run_setup.setup_run(options)
+    try:
+        shape = run.memory.shape
+        single = max(int(mp.step_bytes(shape, s.length, int(run.anchor_rule.count([s.n_anchor_candidates]).sum())))
+                     for s in run.index.train)
+        largest = max(int(mp.step_bytes(shape, sum(s.length for s in pack),
+                                        int(run.anchor_rule.count([s.n_anchor_candidates for s in pack]).sum())))
+                      for pack in run.plan(0))
+        limit = (mp.fixed_bytes(shape) + mp.SAFETY * (single + largest) / 2) / mp.GIB  # one sequence fits, not all
+        run.options = replace(run.options, memory_limit=limit)
+        split_plan = run_setup.plan_memory(run)  # one process: split and accumulated
+        batches = start_loader(run.loader(0, 0))
+        splitting = next(b for b in batches if len(split_plan.parts(b["lengths"].numpy(),
+                                                                     trainer.sequence_blocks(b))) > 1)
+        stop_loader(batches)
+        monkeypatch.setattr(type(run), "world", property(lambda self: 2))
+        assert run_setup.plan_memory(run) is not None  # DDP on 2 processes: split as well
+        run.options = replace(run.options, fsdp=True)
+        with pytest.raises(UserError, match=r"--fsdp on 2 processes: the largest micro-batch \(\d+ tokens, \d+ "
+                                            r"blocks\) needs ~.* GiB.*lower --batch-tokens"):
+            run_setup.plan_memory(run)
+        run.memory = split_plan  # a later epoch's batch the first epoch's plan did not foresee
+        with pytest.raises(UserError, match=r"--fsdp on 2 processes: a micro-batch of step 1 \(\d+ tokens\) does "
+                                            "not fit whole"):
+            trainer.step_parts(run, [splitting])
+        run.options = replace(run.options, fsdp=False)
+        assert len(trainer.step_parts(run, [splitting])) > 1  # DDP: split
+    finally:
+        if run.lock is not None:
+            run.lock.release()

@@ -296,3 +296,52 @@ def test_features_copied_aside_train_as_those_copied_on_the_compute_stream(
     losses = [(a["loss"], c["loss"]) for a, c in zip(aside, compute, strict=True) if "loss" in a]
     assert len(losses) == 6
     assert all(abs(a - c) <= 1e-4 * abs(c) for a, c in losses), losses
+
+
+def test_the_last_epochs_loader_workers_stop_before_the_final_evaluation_and_export(
+        train_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that ends inside an epoch stops that epoch's loader workers when its steps are done, not when the
+    iterator is collected (after the evaluation, export and test split; a Ctrl-C there was swallowed)."""
+    events: list[str] = []
+    stop, evaluate, export = trainer.stop_loader, trainer.evaluate, trainer.export_draft
+    monkeypatch.setattr(trainer, "stop_loader", lambda batches: (events.append("stop"), stop(batches))[1])
+    monkeypatch.setattr(trainer, "evaluate", lambda *args: (events.append("evaluate"), evaluate(*args))[1])
+    monkeypatch.setattr(trainer, "export_draft", lambda *args, **kw: (events.append("export"), export(*args, **kw))[1])
+    options = TrainOptions(cache=train_cache, out=tmp_path / "run", max_steps=2, draft_layers=1, batch_tokens=1024,
+                           num_workers=1, eval_fraction=0.05, eval_sequences=2, eval_every=0, test_fraction=0.0,
+                           mixed_precision="no")
+    trainer.train(options)
+    # (the epoch holds more than 2 steps; the evaluation exports export_best/, then the run its export/)
+    assert events == ["stop", "evaluate", "export", "export"], events
+
+
+@pytest.mark.gpu
+def test_stored_features_overlap_the_compute_stream_and_arrive_before_their_use() -> None:
+    """On a GPU: with the compute stream busy (a sleep kernel), the features are copied on the side stream while it
+    runs and the host does not wait; with the side stream busy instead, the compute stream's first use waits for
+    the copy (the bytes it reads are the source's)."""
+    import time
+
+    device = torch.device("cuda")
+    cycles = int(2e9)  # ~1 s of GPU clock
+    source = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8).pin_memory()
+    compute = torch.cuda.current_stream(device)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)
+    started = time.perf_counter()
+    features, _ = trainer.stored_features({"features": source}, device)
+    copied = torch.cuda.Event()
+    copied.record(trainer.copy_stream(device))
+    assert time.perf_counter() - started < 0.1  # queued, not waited for
+    copied.synchronize()
+    assert not compute.query()  # the copy is done while the compute stream still sleeps
+    torch.cuda.synchronize()
+    assert torch.equal(features.cpu(), source)
+
+    with torch.cuda.stream(trainer.copy_stream(device)):
+        torch.cuda._sleep(cycles)
+    fresh = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8).pin_memory()
+    features, _ = trainer.stored_features({"features": fresh}, device)
+    first_use = features.clone()  # on the compute stream, which must wait for the sleeping side stream's copy
+    torch.cuda.synchronize()
+    assert torch.equal(first_use.cpu(), fresh)
