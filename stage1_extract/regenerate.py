@@ -205,13 +205,6 @@ class ConversationRegenerator:
         # tokens; continuous batching applies only what it is given. Both paths get a neutral one, so their answers
         # are those plain decoding verifies in speculative decoding.
         model.generation_config = GenerationConfig(eos_token_id=self.stops, pad_token_id=self.pad_id)
-        if settings.static_cache:
-            # One compiled decoding step per (rows, cache length): every length batch_cache_len can give, twice over
-            # for the rows an out-of-memory retry halves; past torch's recompile limit (8) a new shape would run
-            # uncompiled without a word (e.g. --max-length 4096 --max-new-tokens 1024 allows 10 lengths).
-            lengths = -(-settings.cache_len // STATIC_CACHE_STEP)
-            dynamo = torch._dynamo.config
-            dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * lengths + 4)
         self.settings = settings
         self.end_tokens = end_of_turn_tokens(tokenizer)
         self.report = report or (lambda conversations, tokens, skipped: None)
@@ -220,6 +213,16 @@ class ConversationRegenerator:
         self.oom_retries = 0
         # transformers >= 5.2x names the KV cache argument `cache`; older versions `past_key_values`.
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        if settings.static_cache:
+            # One compiled decoding step per (rows, cache length): every length batch_cache_len can give, again for
+            # each row count out-of-memory retries may halve to; past torch's recompile limit (8) a new shape would
+            # run uncompiled without a word (e.g. --max-length 4096 --max-new-tokens 1024 allows 10 lengths).
+            # (`recompile_limit` since torch 2.7, `cache_size_limit` before.)
+            lengths = -(-settings.cache_len // STATIC_CACHE_STEP)
+            row_counts = self._static_rows().bit_length()  # the rows, halved down to one
+            dynamo = torch._dynamo.config
+            name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+            setattr(dynamo, name, max(getattr(dynamo, name), lengths * row_counts + 4))
 
     def regenerate(self, conversations: list[tuple[str, Conversation]]) -> list[dict[str, Any]]:
         """(key, conversation) pairs -> one output record each, in the same order."""

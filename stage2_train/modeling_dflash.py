@@ -854,6 +854,8 @@ class TargetRunner:
         nothing without graphs."""
         if self.capacity is None or not self.graphs:
             return
+        if self.layer_ids and self._outputs is None:  # its graphs must capture the hooked layers' outputs
+            raise RuntimeError("TargetRunner.prewarm with layer_ids needs `with runner.hooked():`")
         for width in widths:
             if (width, False) not in self._forwards and width <= self.capacity:
                 self.reset()

@@ -7,12 +7,14 @@ never loaded: the frozen embedding and LM head come from the cache's `target/` f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dflash.shared import cache_format as cf
@@ -35,6 +37,7 @@ from dflash.stage2_train.objective import NEEDS_TARGET_TOPK, Objective, check_ca
 from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.packed_batches import CacheBatches
 from dflash.stage2_train.packed_loader import make_loader
+from dflash.stage2_train.shape_buckets import bucket
 from dflash.stage2_train.target_init import init_from_target
 from dflash.stage2_train.target_parts import TargetParts, load_target_parts, resolve_mask_token
 
@@ -48,7 +51,7 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     position: int = 0  # micro-batches of this rank's plan already consumed in `epoch`
-    plan: dict[str, int] = field(default_factory=dict)  # what the epochs' plans are made from (`plan_inputs`)
+    plan: dict[str, Any] = field(default_factory=dict)  # what the epochs' plans are made from (`plan_inputs`)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -451,25 +454,30 @@ def say_oversized_sequences(run: TrainingRun) -> None:
 
 def plan_memory(run: TrainingRun) -> MemoryPlan:
     """The memory plan (memory_plan.py) for this run's micro-batches: refuses a sequence that cannot fit alone, and
-    says how much of the free memory the largest micro-batch of the first epoch's plan will take."""
-    import numpy as np
-
+    says how much of the free memory the largest micro-batch of the first epoch's plan will take (of every epoch's,
+    for several FSDP processes, which cannot split one)."""
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
     shape = DrafterShape.of(run.config, trainable, torch.finfo(run.compute_dtype).bits // 8, run.device.type)
+    train = run.index.is_train
     if run.device.type == "cuda":
-        # The stored features copied on the side stream (trainer.stored_features): a freed copy is reused only once
-        # the device has passed its last use, and the host runs about a step ahead, so the copies of two global
-        # steps (each at most grad_accum batches of --batch-tokens) can be alive at once, however they are split.
+        # The stored features copied on the side stream (trainer.stored_features): two micro-batches' at most, each
+        # a loader batch of --batch-tokens or a longer sequence alone, padded to its bucket.
         token_bytes = shape.context_dim * run.codec.stored_dtype.itemsize
         if run.codec.scaled:
             token_bytes += 4 * run.config.num_context_layers
-        shape = replace(shape, copied_aside_bytes=2 * run.options.grad_accum * run.options.batch_tokens * token_bytes)
-    train = run.index.is_train
+        tokens = bucket(max(run.options.batch_tokens, int(run.index.lengths[train].max())), run.bucket_multiple)
+        shape = replace(shape, copied_aside_bytes=2 * tokens * token_bytes)
     lengths = run.index.lengths[train]
     blocks = run.anchor_rule.count(run.index.candidates[train])
     costliest = int(np.argmax(step_bytes(shape, lengths, blocks)))
+    epochs = [run.state.epoch]
+    if run.options.fsdp and run.world > 1:  # every epoch's micro-batches must fit whole: plan them all
+        steps = run.steps_in_epoch(0)
+        while steps < run.total_steps and len(epochs) < 10_000:
+            epochs.append(len(epochs))
+            steps += run.steps_in_epoch(epochs[-1])
     packs = [(sum(s.length for s in pack), int(run.anchor_rule.count([s.n_anchor_candidates for s in pack]).sum()))
-             for pack in run.plan(run.state.epoch)]
+             for epoch in epochs for pack in run.plan(epoch)]
     largest = max(packs, key=lambda pack: int(step_bytes(shape, *pack)))
     limit = limit_from_option(run.options.memory_limit, run.device)
     plan = make_plan(shape, largest, (int(lengths[costliest]), int(blocks[costliest])), limit, str(run.device),
@@ -553,11 +561,13 @@ def make_optimizer(run: TrainingRun) -> None:
     run.accelerator.register_for_checkpointing(scheduler)
 
 
-def plan_inputs(run: TrainingRun) -> dict[str, int]:
+def plan_inputs(run: TrainingRun) -> dict[str, Any]:
     """What the epochs' plans, and so a saved data position, depend on besides the split and anchor flags
-    (`keep_recorded_plan`): the training samples (the cache's finished shards), the token budget, the accumulation
-    and the processes."""
-    return {"train samples": len(run.index.train), "--batch-tokens": run.options.batch_tokens,
+    (`keep_recorded_plan`): the training samples (how many, and which: the cache's finished shards), the token
+    budget, the accumulation and the processes."""
+    samples = np.array([(s.shard, s.row, s.length) for s in run.index.train], dtype=np.int64)
+    which = hashlib.sha256(samples.tobytes()).hexdigest()[:12]
+    return {"train samples": len(samples), "train sample digest": which, "--batch-tokens": run.options.batch_tokens,
             "--grad-accum": run.options.grad_accum, "processes": run.world}
 
 
@@ -586,7 +596,15 @@ def resume(run: TrainingRun) -> None:
     planned = run.state.plan
     run.accelerator.load_state(str(latest))
     recorded, run.state.plan = run.state.plan, planned
-    differences = [f"{name}: the run had {recorded[name]:,}, now {planned[name]:,}" for name in planned
+    if not recorded:
+        log.warning("--resume: %s was written before checkpoints recorded what the epochs were planned from; resume "
+                    "it with the flags, processes and finished shards it was started with, or its samples are "
+                    "skipped or repeated", latest)
+
+    def shown(value: Any) -> str:
+        return f"{value:,}" if isinstance(value, int) else str(value)
+
+    differences = [f"{name}: the run had {shown(recorded[name])}, now {shown(planned[name])}" for name in planned
                    if name in recorded and recorded[name] != planned[name]]
     if differences:
         raise UserError(f"--resume: the epochs of the run in {run.files.root} were planned otherwise, so its saved "

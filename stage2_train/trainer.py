@@ -89,8 +89,9 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
         with suppress(Exception):
             step_log.flush()
         raise
-    finally:
-        steps.close()  # the last epoch's loader workers stop here, not after the evaluation and export
+    # The last epoch's loader workers stop here, not when the generator is collected after the evaluation and
+    # export. (After an error or an interrupt they are left to the process's end, as the interrupt tests expect.)
+    steps.close()
     step_log.flush()
     if options.compile:
         from torch._dynamo.utils import counters
@@ -164,7 +165,7 @@ def step_parts(run: TrainingRun, loader_batches: list[dict[str, Any]]) -> list[d
     parts = []
     for batch in loader_batches:
         ranges = run.memory.parts(batch["lengths"].numpy(), sequence_blocks(batch))
-        if len(ranges) > 1 and run.options.fsdp and run.world > 1:  # (the plan checked the first epoch's batches)
+        if len(ranges) > 1 and run.options.fsdp and run.world > 1:  # (plan_memory checked every epoch: a safety net)
             raise UserError(one_forward_a_step_under_fsdp(
                 run.world, f"a micro-batch of step {run.state.step + 1} ({int(batch['lengths'].sum())} tokens) "
                 "does not fit whole"))
@@ -215,9 +216,17 @@ COPY_FEATURES_ASIDE = True
 @functools.cache
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream the features of every micro-batch are copied on (one per device, made when first needed):
-    from torch's pool of high-priority streams, which NCCL's collectives do not draw from (they take the
-    low-priority pool), so that waiting for this stream never waits for a collective."""
+    from torch's pool of high-priority streams, which NCCL's collectives take theirs from only when
+    TORCH_NCCL_HIGH_PRIORITY=1 (the pool is handed out in turn: a shared stream would make the wait for a copy wait
+    for a collective too)."""
     return torch.cuda.Stream(device, priority=-1)
+
+
+@functools.cache
+def _queued_marks(device: torch.device) -> dict[str, torch.cuda.Event]:
+    """`stored_features`' bookkeeping per device: "last", an event on the compute stream recorded at the previous
+    copy (everything queued before it)."""
+    return {}
 
 
 def stored_features(batch: dict[str, Any], device: torch.device) -> tuple[Tensor, Tensor | None]:
@@ -228,12 +237,20 @@ def stored_features(batch: dict[str, Any], device: torch.device) -> tuple[Tensor
     they are queued while the device still computes the micro-batch or step before, and overlap it instead of
     following it on the compute stream. The compute stream waits for them before their first use, and they are
     marked as used there (`record_stream`), so that the caching allocator hands their memory to a later copy only
-    once the kernels queued up to their release have run. (One more micro-batch's stored features can thus be on
-    the device while the last one's are still in use: the memory plan counts them, `memory_plan.step_bytes`.)"""
+    once the kernels queued up to their release have run. Two micro-batches' copies at most are held that way:
+    before a copy the host waits until the device has passed the micro-batch before the last one (whose copy's
+    memory is then free again), which is where it is anyway when it runs at most one micro-batch ahead, e.g. one
+    micro-batch a step, whose metrics `PendingRecord` reads one step late (the memory plan counts the two copies,
+    run_setup.plan_memory)."""
     scales = batch.get("feature_scales")
     if device.type != "cuda" or not COPY_FEATURES_ASIDE:
         return to_device(batch["features"], device), None if scales is None else to_device(scales, device)
     compute, side = torch.cuda.current_stream(device), copy_stream(device)
+    marks = _queued_marks(device)
+    if "last" in marks:
+        marks["last"].synchronize()
+    marks["last"] = torch.cuda.Event()
+    marks["last"].record(compute)
     with torch.cuda.stream(side):
         copied = [None if tensor is None else to_device(tensor, device) for tensor in (batch["features"], scales)]
     compute.wait_stream(side)
@@ -396,7 +413,8 @@ def accumulate_parts(run: TrainingRun, parts: list[dict[str, Any]],
     """Forward and backward over this rank's micro-batches of a global step (`step_parts`, on the host), gradients
     accumulated; returns what they add up to, for `update_weights`. Each part is copied to the device just before
     its forward, so that one micro-batch's inputs are there at a time, as the memory plan budgets (on CUDA, with
-    the next one's stored features arriving while it computes: `stored_features`); the loss
+    the next one's stored features arriving while it computes, at most two micro-batches' copies: `stored_features`);
+    the loss
     normaliser is counted from the labels on the host."""
     local_weight = sum(weight_sum(part[STEP_INPUTS]["labels"], run.host_position_weights) for part in parts)
     return _accumulate(run, parts, to_device(local_weight, run.device),

@@ -202,19 +202,28 @@ def test_static_cache_batches_give_the_default_answers(smollm2_fp32: tuple[Any, 
     assert all(v["first_batches_s"] > 0 for v in by_length.values())
 
 
-def test_static_batches_may_compile_every_cache_length(smollm2_fp32: tuple[Any, Any, list[int]],
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """With --static-cache every cache length the settings allow (and each again at halved rows) stays under
-    torch's recompile limit, past which transformers' compiled decoding step would silently run uncompiled."""
+def test_static_batches_may_compile_every_cache_length(smollm2_fp32: tuple[Any, Any, list[int]]) -> None:
+    """With --static-cache every cache length the settings allow, at every row count out-of-memory retries may halve
+    the batches to, stays under torch's recompile limit, past which transformers' compiled decoding step would
+    silently run uncompiled."""
     model, tokenizer, stops = smollm2_fp32
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    # (torch's own patch: pytest's monkeypatch deletes the setting when undone, which hides it from torch itself)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        check_recompile_limit(model, tokenizer, stops)
+
+
+def check_recompile_limit(model: Any, tokenizer: Any, stops: list[int]) -> None:
     settings = GenerateSettings(max_new_tokens=1024, max_length=4096, batch_tokens=1 << 20, static_cache=True)
     lengths = {settings.batch_cache_len(needed) for needed in range(1, settings.cache_len + 1)}
-    assert len(lengths) == 10
+    rows, row_counts = settings.batch_tokens // settings.cache_len, set()
+    while rows:
+        row_counts.add(rows)
+        rows //= 2
+    assert len(lengths) == 10 and len(row_counts) == 8  # 204, 102, ..., 1 rows
     ConversationRegenerator(model, tokenizer, stops, settings)
-    assert torch._dynamo.config.recompile_limit >= 2 * len(lengths)
+    assert torch._dynamo.config.recompile_limit >= len(lengths) * len(row_counts)
     ConversationRegenerator(model, tokenizer, stops, replace(settings, max_length=512, max_new_tokens=64))
-    assert torch._dynamo.config.recompile_limit >= 2 * len(lengths)  # never lowered
+    assert torch._dynamo.config.recompile_limit >= len(lengths) * len(row_counts)  # never lowered
 
 
 def test_continuous_batching_gives_the_default_answers(smollm2_fp32: tuple[Any, Any, list[int]],

@@ -229,9 +229,23 @@ def test_stored_features_are_copied_on_a_side_stream_the_compute_stream_waits_fo
         monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA the stored features and scales are copied (through `to_device`) while the side stream is current; then
     the compute stream waits for the side stream and each copy is marked as used on the compute stream, in that
-    order; with COPY_FEATURES_ASIDE off (bench_train.py --features-on-compute-stream), and on the CPU, they are copied
-    on the current stream. (This machine has no GPU: the stream calls are recorded instead of made.)"""
+    order; before each copy the compute stream's position is marked, and from the second copy on the host first
+    waits for the previous mark (at most two micro-batches' copies held); with COPY_FEATURES_ASIDE off
+    (bench_train.py --features-on-compute-stream), and on the CPU, they are copied on the current stream. (This
+    machine has no GPU: the stream and event calls are recorded instead of made.)"""
     events: list[tuple[str, Any]] = []
+    marks = [0]
+
+    class FakeEvent:
+        def __init__(self) -> None:
+            marks[0] += 1
+            self.number = marks[0]
+
+        def record(self, stream: FakeStream) -> None:
+            events.append(("mark", (self.number, stream.name)))
+
+        def synchronize(self) -> None:
+            events.append(("host waits", self.number))
 
     class FakeStream:
         def __init__(self, name: str) -> None:
@@ -262,15 +276,20 @@ def test_stored_features_are_copied_on_a_side_stream_the_compute_stream_waits_fo
     monkeypatch.setattr(torch.cuda, "stream", StreamContext)
     monkeypatch.setattr(torch.Tensor, "record_stream",
                         lambda self, stream: events.append(("record", (tuple(self.shape), stream.name))))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    held: dict[str, Any] = {}
+    monkeypatch.setattr(trainer, "_queued_marks", lambda device: held)
     batch = {"features": torch.zeros(5, 12, dtype=torch.uint8), "feature_scales": torch.ones(5, 3)}
     cuda = torch.device("cuda", 0)
     features, scales = trainer.stored_features(batch, cuda)
     assert torch.equal(features, batch["features"]) and scales is not None and torch.equal(scales, batch["feature_scales"])
-    assert events == [("copy", ("side", "cuda:0", (5, 12))), ("copy", ("side", "cuda:0", (5, 3))),
-                      ("wait", ("compute", "side")), ("record", ((5, 12), "compute")), ("record", ((5, 3), "compute"))]
+    assert events == [("mark", (1, "compute")), ("copy", ("side", "cuda:0", (5, 12))),
+                      ("copy", ("side", "cuda:0", (5, 3))), ("wait", ("compute", "side")),
+                      ("record", ((5, 12), "compute")), ("record", ((5, 3), "compute"))]
     events.clear()
     assert trainer.stored_features({"features": batch["features"]}, cuda)[1] is None  # an unscaled codec
-    assert [e[0] for e in events] == ["copy", "wait", "record"]
+    assert events[:2] == [("host waits", 1), ("mark", (2, "compute"))]
+    assert [e[0] for e in events[2:]] == ["copy", "wait", "record"]
     events.clear()
     monkeypatch.setattr(trainer, "COPY_FEATURES_ASIDE", False)
     trainer.stored_features(batch, cuda)
@@ -333,10 +352,16 @@ def test_stored_features_overlap_the_compute_stream_and_arrive_before_their_use(
     copied = torch.cuda.Event()
     copied.record(trainer.copy_stream(device))
     assert time.perf_counter() - started < 0.1  # queued, not waited for
-    copied.synchronize()
-    assert not compute.query()  # the copy is done while the compute stream still sleeps
+    reader = torch.cuda.Stream(device)  # reads the copy as soon as the copy stream is done, whatever compute does
+    reader.wait_event(copied)
+    with torch.cuda.stream(reader):
+        total = features.to(torch.int64).sum()
+    read = torch.cuda.Event()
+    read.record(reader)
+    read.synchronize()
+    assert not compute.query()  # read while the compute stream still sleeps: the copy was not behind the sleep
     torch.cuda.synchronize()
-    assert torch.equal(features.cpu(), source)
+    assert int(total) == int(source.to(torch.int64).sum())  # (a copy queued behind the sleep was not there yet)
 
     with torch.cuda.stream(trainer.copy_stream(device)):
         torch.cuda._sleep(cycles)
