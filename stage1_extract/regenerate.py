@@ -359,7 +359,7 @@ class ConversationRegenerator:
         cache = {self._cache_kwarg: self.static_cache(width + new_tokens)} if static else {}
         output = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                      generation_config=config, streamer=streamer, **cache)
-        return [self._answer(output[row, width:width + budget].tolist(), budget) for row, budget in enumerate(budgets)]
+        return [self._answer(output[row, width:].tolist(), budget) for row, budget in enumerate(budgets)]
 
     def _generate_continuous(self, batch: list[tuple[_Progress, list[int]]]) -> list[tuple[str, int, str]]:
         """`_generate` through transformers' continuous batching (`generate_batch`). It logs a request's failure
@@ -394,12 +394,12 @@ class ConversationRegenerator:
                                 "lower --max-length or --max-new-tokens; finished conversations are kept")
             raise RuntimeError(f"continuous batching failed for {len(failed) or len(batch) - len(outputs)} of "
                                f"{len(batch)} prompts: {reason}")
-        return [self._answer(list(output.generated_tokens)[:budget], budget)
-                for output, budget in zip(outputs, budgets)]
+        return [self._answer(list(output.generated_tokens), budget) for output, budget in zip(outputs, budgets)]
 
     def _answer(self, generated: list[int], budget: int) -> tuple[str, int, str]:
-        """(text, tokens counted, finish reason) of a row's new tokens (at most its budget): up to and through its
-        first stop token, or all of them when it has none (the token limit)."""
+        """(text, tokens counted, finish reason) of a row's new tokens, the first `budget` of them (a batch decodes
+        its rows to the largest budget): up to and through its first stop token, or all of them when it has none
+        (the token limit)."""
         generated = generated[:budget]
         stop_at = next((i for i, token in enumerate(generated) if token in self.stops), None)
         if stop_at is not None:

@@ -712,11 +712,13 @@ def run_eval(
     # decoding ran between its prompts (--no-baselines).
     generators = {method: torch.Generator(device=device).manual_seed(seed) for method in ("dflash", "plain")}
 
-    # Static buffers sized once for the longest prompt and the widest verify block (DFlash's, or prompt lookup's),
-    # so the warm-up captures the graphs every prompt reuses.
-    capacity = max(len(p.ids or tokenize_prompt(tokenizer, p.messages, template_kwargs))
-                   for ps in prompts_by_dataset.values()
-                   for p in ps) + max_new_tokens + max(block_size, PROMPT_LOOKUP_TOKENS + 1)
+    # Every prompt's token ids as the timed loop decodes them (rendered with --chat-template-kwargs), and static
+    # buffers sized once for the longest and the widest verify block (DFlash's, or prompt lookup's), so the warm-up
+    # captures the graphs every prompt reuses.
+    prompt_ids = {name: [p.ids or tokenize_prompt(tokenizer, p.messages, template_kwargs) for p in prompts]
+                  for name, prompts in prompts_by_dataset.items()}
+    capacity = (max(len(ids) for per_dataset in prompt_ids.values() for ids in per_dataset) + max_new_tokens
+                + max(block_size, PROMPT_LOOKUP_TOKENS + 1))
 
     def dflash(ids: list[int], n: int, stop_ids: list[int] = stops) -> SpecResult:
         return speculative_generate(target, draft, embed, head, ids, layer_ids, n, stop_ids, temperature=temperature,
@@ -724,8 +726,7 @@ def run_eval(
 
     # Warm-up (untimed): first calls allocate, pick kernels, compile and capture graphs. Without stop tokens, so that
     # a first prompt answered by a stop token at once still runs the steps it warms up.
-    first_prompt = next(iter(prompts_by_dataset.values()))[0]
-    first = first_prompt.ids or tokenize_prompt(tokenizer, first_prompt.messages, template_kwargs)
+    first = next(iter(prompt_ids.values()))[0]
     lookup_refused = ("not run (--no-baselines)" if not baselines
                       else "not run: greedy only (--temperature > 0)" if not greedy else None)
 
@@ -751,9 +752,8 @@ def run_eval(
     for name, prompts in prompts_by_dataset.items():
         runs: dict[str, list[SpecResult]] = {"dflash": [], "plain": [], "prompt_lookup": []}
         samples: list[dict[str, Any]] = []
-        for prompt in prompts:
+        for prompt, ids in zip(prompts, prompt_ids[name]):
             prompt_started = time.time()
-            ids = prompt.ids or tokenize_prompt(tokenizer, prompt.messages, template_kwargs)
             spec = dflash(ids, max_new_tokens)
             plain = (greedy_generate(target, ids, max_new_tokens, stops, temperature=temperature,
                                      generator=generators["plain"], decode=decode, capacity=capacity)

@@ -52,7 +52,7 @@ class DrafterShape:
     conv_kernel: int = 0  # DFlash 2: taps of the convolution around each sublayer (0: a DFlash drafter)
     selector_top_k: int = 0  # DFlash 2: the path selector's candidates per position
     # CUDA: the stored features copied on the side stream (`trainer.stored_features`) that may be alive beside
-    # any step, whatever its split: up to two global steps' worth (set by run_setup.plan_memory)
+    # any step, whatever its split: two micro-batches' at most (set by run_setup.plan_memory)
     copied_aside_bytes: int = 0
 
     @classmethod

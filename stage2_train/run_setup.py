@@ -459,15 +459,15 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
     shape = DrafterShape.of(run.config, trainable, torch.finfo(run.compute_dtype).bits // 8, run.device.type)
     train = run.index.is_train
+    lengths = run.index.lengths[train]
     if run.device.type == "cuda":
         # The stored features copied on the side stream (trainer.stored_features): two micro-batches' at most, each
         # a loader batch of --batch-tokens or a longer sequence alone, padded to its bucket.
         token_bytes = shape.context_dim * run.codec.stored_dtype.itemsize
         if run.codec.scaled:
             token_bytes += 4 * run.config.num_context_layers
-        tokens = bucket(max(run.options.batch_tokens, int(run.index.lengths[train].max())), run.bucket_multiple)
+        tokens = bucket(max(run.options.batch_tokens, int(lengths.max())), run.bucket_multiple)
         shape = replace(shape, copied_aside_bytes=2 * tokens * token_bytes)
-    lengths = run.index.lengths[train]
     blocks = run.anchor_rule.count(run.index.candidates[train])
     costliest = int(np.argmax(step_bytes(shape, lengths, blocks)))
     epochs = [run.state.epoch]

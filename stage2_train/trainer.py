@@ -222,11 +222,9 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=-1)
 
 
-@functools.cache
-def _queued_marks(device: torch.device) -> dict[str, torch.cuda.Event]:
-    """`stored_features`' bookkeeping per device: "last", an event on the compute stream recorded at the previous
-    copy (everything queued before it)."""
-    return {}
+# `stored_features`' bookkeeping: per device, an event on the compute stream recorded at its previous copy
+# (everything queued before that copy).
+_PREVIOUS_COPY_MARKS: dict[torch.device, torch.cuda.Event] = {}
 
 
 def stored_features(batch: dict[str, Any], device: torch.device) -> tuple[Tensor, Tensor | None]:
@@ -246,11 +244,11 @@ def stored_features(batch: dict[str, Any], device: torch.device) -> tuple[Tensor
     if device.type != "cuda" or not COPY_FEATURES_ASIDE:
         return to_device(batch["features"], device), None if scales is None else to_device(scales, device)
     compute, side = torch.cuda.current_stream(device), copy_stream(device)
-    marks = _queued_marks(device)
-    if "last" in marks:
-        marks["last"].synchronize()
-    marks["last"] = torch.cuda.Event()
-    marks["last"].record(compute)
+    previous = _PREVIOUS_COPY_MARKS.get(device)
+    if previous is not None:
+        previous.synchronize()
+    mark = _PREVIOUS_COPY_MARKS[device] = torch.cuda.Event()
+    mark.record(compute)
     with torch.cuda.stream(side):
         copied = [None if tensor is None else to_device(tensor, device) for tensor in (batch["features"], scales)]
     compute.wait_stream(side)
@@ -414,8 +412,7 @@ def accumulate_parts(run: TrainingRun, parts: list[dict[str, Any]],
     accumulated; returns what they add up to, for `update_weights`. Each part is copied to the device just before
     its forward, so that one micro-batch's inputs are there at a time, as the memory plan budgets (on CUDA, with
     the next one's stored features arriving while it computes, at most two micro-batches' copies: `stored_features`);
-    the loss
-    normaliser is counted from the labels on the host."""
+    the loss normaliser is counted from the labels on the host."""
     local_weight = sum(weight_sum(part[STEP_INPUTS]["labels"], run.host_position_weights) for part in parts)
     return _accumulate(run, parts, to_device(local_weight, run.device),
                        lambda part: micro_batch_inputs(run, part, feature_transform))

@@ -277,8 +277,7 @@ def test_stored_features_are_copied_on_a_side_stream_the_compute_stream_waits_fo
     monkeypatch.setattr(torch.Tensor, "record_stream",
                         lambda self, stream: events.append(("record", (tuple(self.shape), stream.name))))
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    held: dict[str, Any] = {}
-    monkeypatch.setattr(trainer, "_queued_marks", lambda device: held)
+    monkeypatch.setattr(trainer, "_PREVIOUS_COPY_MARKS", {})
     batch = {"features": torch.zeros(5, 12, dtype=torch.uint8), "feature_scales": torch.ones(5, 3)}
     cuda = torch.device("cuda", 0)
     features, scales = trainer.stored_features(batch, cuda)
