@@ -251,10 +251,15 @@ def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> 
               help="Decode path of dflash and plain decoding alike: static = static KV caches and fixed-shape "
                    "forwards (CUDA-graphed on GPUs); dynamic = transformers' DynamicCache; auto = static on CUDA, "
                    "dynamic on CPU. Hybrid recurrent targets always decode dynamically.")
+@click.option("--compile-target", is_flag=True,
+              help="On the static path, compile the target's one-token step and DFlash's verify block with "
+                   "torch.compile before capturing them: plain and speculative decoding ran 2.2x faster on an H100 "
+                   "(SmolLM2-135M), for ~35 s more warm-up; tokens may differ from the uncompiled path's at bf16 "
+                   "near-ties. Prompt lookup's wider verify blocks stay uncompiled.")
 def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_new_tokens: int, temperature: float,
                  model: str | None, threads: int, seed: int, allow_target_mismatch: bool, dtype: str,
                  baselines: bool, chat_template: Path | None, chat_template_kwargs: dict | None,
-                 decode: str) -> None:
+                 decode: str, compile_target: bool) -> None:
     """Speculative decoding with the target and an exported drafter: acceptance length tau, acceptance by block
     position, tokens/s and speedup against plain autoregressive decoding and prompt-lookup decoding, measured in
     the same run. Greedy mode must reproduce the target's own greedy output. Before decoding it checks that the
@@ -267,6 +272,10 @@ def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_ne
 
     if threads:
         torch.set_num_threads(threads)
+    if compile_target:  # read by each TargetRunner this process makes (it evaluates once)
+        from dflash.stage2_train import modeling_dflash
+
+        modeling_dflash.COMPILE_TARGET = True
     setup_logging(Path(out) / "eval.log")
     from dflash.shared.interrupts import exit_on_interrupt
 

@@ -354,6 +354,40 @@ def test_eval_cli_says_what_differs_for_a_users_prompts(exported: Path, tmp_path
     assert bad.returncode == 2 and "--chat-template-kwargs" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_eval_cli_compile_target_compiles_the_targets_steps(exported: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dflash eval --compile-target` hands the target's fixed-width forwards to torch.compile (here a stand-in that
+    fails, so nothing compiles for real: the runners fall back to the eager forwards and the decode path names the
+    reason, for plain and speculative decoding alike); without the flag torch.compile is not asked. (The compiled
+    forwards' tokens: tests/stage2_train/test_compiled_target.py.)"""
+    from click.testing import CliRunner
+
+    import dflash.stage2_train.modeling_dflash as loop
+    from dflash.shared.cli import dflash
+
+    asked = []
+
+    def failing_compile(function, **_options):  # noqa: ANN001, ANN202 - torch.compile's stand-in
+        def compiled(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            asked.append(function)
+            raise RuntimeError("no compiler here")
+        return compiled
+
+    monkeypatch.setattr(loop, "COMPILE_TARGET", False)  # (the flag sets it for the process: undone after the test)
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    args = ["eval", "--draft", str(exported), "--data", "mtbench", "--max-samples", "1", "--max-new-tokens", "6",
+            "--decode", "static"]
+    for flags, expected in (([], "static"), (["--compile-target"],
+                                             "static, target not compiled (RuntimeError: no compiler here)")):
+        out = tmp_path / f"eval{len(flags)}"
+        result = CliRunner().invoke(dflash, [*args, "--out", str(out), *flags], catch_exceptions=False)
+        assert result.exit_code == 0, result.output[-3000:]
+        report = json.loads((out / "eval.json").read_text())
+        assert report["decode_path"] == report["decode_path_plain"] == expected
+        assert report["datasets"]["mtbench"]["greedy_identical"] == 1
+        assert bool(asked) == bool(flags)
+
+
 def test_the_static_capacity_covers_prompts_rendered_with_the_template_kwargs(
         exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The static buffers eval sizes once (so that no prompt rebuilds them inside its timing) hold every prompt as
