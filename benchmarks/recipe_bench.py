@@ -57,7 +57,9 @@ the device runs this one, and the step times add up to the loop's; evaluations a
 s/step (mean and median: a mean well above the median means compilation or stalls inside the timed steps), block
 tokens/s, and the peak memory the trainer measured (CUDA memory allocated by torch, or the CPU resident set, over
 the whole process, evaluations included). Every variant shares one compile cache (TORCHINDUCTOR_CACHE_DIR and
-TRITON_CACHE_DIR under BENCH/compile_cache, unless set), so a kernel compiled once is reused by later variants.
+TRITON_CACHE_DIR under BENCH/compile_cache, unless set), so a kernel compiled once is reused by later variants;
+`--warm-up-steps N` trains each variant to be run N steps first (untimed, BENCH/warm_up/), so that every timed run
+finds it warm: otherwise the first compiled variant alone pays the first compilation (91 s on an H100, 2026-12-06).
 
 Results: BENCH/results/NAME.json for a variant's run (NAME@sSEED.json with several seeds; written, complete, as soon
 as it finishes; a failed run is written too, with its exit code and last line, and tried again on the next run),
@@ -356,7 +358,7 @@ def live_evaluations(bench: Bench, names: list[str], datasets: list[str], settin
 
 def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], steps: int, steps_of: dict[str, int],
               eval_every: int, seeds: list[int], train_flags: list[str], untimed_steps: int, live_data: list[str],
-              live_samples: int, live_new_tokens: int, live_flags: list[str]) -> dict[str, Any]:
+              live_samples: int, live_new_tokens: int, live_flags: list[str], warm_up_steps: int = 0) -> dict[str, Any]:
     """Train every variant at every seed not done before, one run after another, each `steps` steps or its own
     (`steps_of`); then live tau of the baseline and the best at the first seed."""
     bench = Bench(out)
@@ -387,6 +389,8 @@ def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], ste
     if len(seeds) > 1:
         del header["seed"]
         header["seeds"] = seeds
+    if warm_up_steps:
+        header["warm_up_steps"] = warm_up_steps
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(bench.root / "compile_cache" / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(bench.root / "compile_cache" / "triton"))
     log.info("recipe bench in %s: %d variants x %d steps%s (validation every %d) at seeds %s, on %s", bench.root,
@@ -401,6 +405,10 @@ def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], ste
         bench.write(bench.result_path(name), train_variant(bench, name, command, settings[name]))
         write_summary(bench, header)
 
+    if warm_up_steps:
+        to_train = dict.fromkeys(variant for run, variant, _, _ in runs if not done[run])
+        warm_up(bench, cache, [(name, flags) for name, flags in variants if name in to_train], warm_up_steps,
+                train_flags)
     for run, *_ in runs:
         if done[run]:
             log.info("variant %s: done before (%s), skipped", run, bench.result_path(run))
@@ -421,6 +429,27 @@ def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], ste
             train(name)
     live_evaluations(bench, [n for n in live_names if complete(bench, n)], live_data, live_settings, live_flags)
     return write_summary(bench, header)
+
+
+def warm_up(bench: Bench, cache: Path, variants: list[tuple[str, list[str]]], steps: int,
+            train_flags: list[str]) -> None:
+    """Each variant in `variants` trains `steps` steps first, into BENCH/warm_up/NAME, recorded nowhere, so that
+    every timed run starts from the bench's compile cache warm (--warm-up-steps). Without it the first compiled
+    variant alone pays the first compilation on the machine in its training time (91 s of an H100 run's 170 s on
+    2026-12-06, against ~12-17 s for the variants after it), which makes an equal-time comparison unequal. A warm-up
+    that fails is logged and the bench goes on (its timed run will say why again)."""
+    for name, flags in variants:
+        folder = bench.root / "warm_up" / name
+        command = dflash_command("train", "--cache", str(cache), "--out", str(folder), "--overwrite", "--max-steps",
+                                 str(steps), "--eval-every", "0", "--checkpoint-every", "0", "--keep-checkpoints",
+                                 "1", *train_flags, *flags)
+        folder.mkdir(parents=True, exist_ok=True)
+        started = time.time()
+        with open(bench.root / "warm_up" / f"{name}.train.out", "w", encoding="utf-8") as handle:
+            code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL).returncode
+        log.info("variant %s: warm-up of %d step(s) %s in %.0f s (not timed)", name, steps,
+                 "done" if code == 0 else f"exited {code}", time.time() - started)
 
 
 def complete(bench: Bench, name: str) -> bool:
@@ -586,8 +615,10 @@ def render_markdown(bench: dict[str, Any]) -> str:
         f" prompts x {bench['live']['new_tokens']} new tokens) for {seeding[1]}. +- one standard error. s/step and "
         f"block tok/s over each run's steps after the first {bench['untimed_steps']} (which hold the warm-up and "
         f"compilation: untimed s); train s: the sum of every step's time, the untimed ones included (evaluations "
-        f"excluded), and its ratio to the baseline's run at the same seed, as measured; peak memory of the whole "
-        f"run. Flags of every variant: "
+        f"excluded), and its ratio to the baseline's run at the same seed, as measured"
+        + (f" (each variant trained {bench['warm_up_steps']} untimed steps first, so every run found the compile "
+           "cache warm)" if bench.get("warm_up_steps") else "")
+        + f"; peak memory of the whole run. Flags of every variant: "
         f"`{shlex.join(bench['train_flags']) or '(none)'}`. Device: {', '.join(devices) or '-'}.",
         "",
     ]
@@ -730,6 +761,10 @@ def main() -> None:
 @click.option("--untimed-steps", type=click.IntRange(min=0), default=50, show_default=True,
               help="The first N steps of each variant are left out of its s/step and block tokens/s (warm-up, "
                    "compilation) and reported apart.")
+@click.option("--warm-up-steps", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Before the timed runs, each variant to train trains this many steps into BENCH/warm_up (not "
+                   "recorded), so that every timed run finds the compile cache warm (0: none; the first compiled "
+                   "variant then pays the first compilation in its training time).")
 @click.option("--live-data", default="mtbench,humaneval", show_default=True,
               help="`dflash eval --data` datasets of the live evaluations, comma-separated (empty: none).")
 @click.option("--live-samples", type=click.IntRange(min=0), default=20, show_default=True,
@@ -739,8 +774,8 @@ def main() -> None:
 @click.option("--live-flags", default="--no-baselines", show_default=True,
               help="More `dflash eval` flags (quoted), e.g. \"--no-baselines --threads 2\".")
 def run_command(cache: Path, out: Path, variants: tuple[str, ...], steps: int, steps_of: tuple[str, ...],
-                eval_every: int, seed: int, seeds: str | None, train_flags: str, untimed_steps: int, live_data: str,
-                live_samples: int, live_new_tokens: int, live_flags: str) -> None:
+                eval_every: int, seed: int, seeds: str | None, train_flags: str, untimed_steps: int,
+                warm_up_steps: int, live_data: str, live_samples: int, live_new_tokens: int, live_flags: str) -> None:
     """Train each variant alone, at the same steps and schedule; test split, live tau; bench.json and bench.md."""
     from click.core import ParameterSource
 
@@ -752,7 +787,7 @@ def run_command(cache: Path, out: Path, variants: tuple[str, ...], steps: int, s
         record = run_bench(cache, out, parsed, steps, parse_steps_of(steps_of, [name for name, _ in parsed]),
                            eval_every, [seed] if seeds is None else parse_seeds(seeds), shlex.split(train_flags),
                            untimed_steps, [d for d in live_data.split(",") if d.strip()], live_samples,
-                           live_new_tokens, shlex.split(live_flags))
+                           live_new_tokens, shlex.split(live_flags), warm_up_steps)
     click.echo(render_markdown(record))
 
 

@@ -191,9 +191,13 @@ def test_a_variant_with_its_own_steps_trains_its_own_schedule_and_its_training_t
     assert refused.returncode == 2 and "g4.json was made with other settings (steps differ)" in refused.stderr, (
         refused.stderr[-3000:])
     (out / "results" / "g4.json").unlink()
-    result = run_bench(baseline_cache, out, *extra)
+    result = run_bench(baseline_cache, out, *extra, "--warm-up-steps", "1")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "variant base: done before" in result.stderr and "variant g4: training" in result.stderr
+    # The warm-up: g4 alone (base is done) trained one untimed step first, into warm_up/, before its timed run.
+    assert "variant base: warm-up" not in result.stderr
+    assert result.stderr.index("variant g4: warm-up of 1 step(s) done") < result.stderr.index("variant g4: training")
+    assert sorted(step_records(out / "warm_up" / "g4")) == [1] and not (out / "warm_up" / "base").exists()
     assert {path: path.stat().st_mtime_ns for path in kept} == kept
     # g4 trained its own steps on its own cosine schedule (read from its metrics): the learning rate moves until
     # its last step and reaches 0 there, where the baseline's reached 0 at STEPS.
@@ -224,6 +228,7 @@ def test_a_variant_with_its_own_steps_trains_its_own_schedule_and_its_training_t
             and f"| {own} | {seconds['g4']:,.1f} | {seconds['g4'] / seconds['base']:.3f}x | " in rows["g4"])
     assert rows["base"].endswith("| baseline's |") and f"| its own over {own} steps (peak lr" in rows["g4"]
     assert f"{STEPS} steps per variant (the same cosine schedule), except g4 {own} steps (their own" in table
+    assert record["warm_up_steps"] == 1 and "(each variant trained 1 untimed steps first" in table
 
 
 def test_steps_of_names_a_variant_and_positive_steps() -> None:
@@ -427,7 +432,7 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
     env = {**os.environ, "STUB_CALLS": str(calls), "RECIPE_BENCH": f"{sys.executable} {stub}", "OUT": str(out),
            "WORK": str(work), "SITE": str(tmp_path / "site"), "RESULTS_FROM": str(carried), "STEPS": "300",
            "VARIANTS": "ce=--loss ce; mix25=--loss mix --kl-weight 0.25;", "SEEDS": "0, 1,2",
-           "VARIANT_STEPS": "mix25=710; ce=300;"}
+           "VARIANT_STEPS": "mix25=710; ce=300;", "COMPILE_WARM_UP": "3"}
     result = subprocess.run(["bash", "benchmarks/gpu_recipe_bench.sh"], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -436,7 +441,7 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
     assert [args[i + 1] for i, a in enumerate(args) if a == "--variant"] == [
         "ce=--loss ce", "mix25=--loss mix --kl-weight 0.25"]
     assert args[args.index("--steps") + 1] == "300" and args[args.index("--out") + 1] == str(out / "bench")
-    assert args[args.index("--seeds") + 1] == "0,1,2"
+    assert args[args.index("--seeds") + 1] == "0,1,2" and args[args.index("--warm-up-steps") + 1] == "3"
     assert [args[i + 1] for i, a in enumerate(args) if a == "--steps-of"] == ["mix25=710", "ce=300"]
     assert args[args.index("--live-samples") + 1] == "20" and args[args.index("--live-new-tokens") + 1] == "512"
     assert call["results_held"] == ["ce.json"]  # the carried results were there before the bench started
