@@ -58,8 +58,9 @@ s/step (mean and median: a mean well above the median means compilation or stall
 tokens/s, and the peak memory the trainer measured (CUDA memory allocated by torch, or the CPU resident set, over
 the whole process, evaluations included). Every variant shares one compile cache (TORCHINDUCTOR_CACHE_DIR and
 TRITON_CACHE_DIR under BENCH/compile_cache, unless set), so a kernel compiled once is reused by later variants;
-`--warm-up-steps N` trains each variant to be run N steps first (untimed, BENCH/warm_up/), so that every timed run
-finds it warm: otherwise the first compiled variant alone pays the first compilation (91 s on an H100, 2026-12-06).
+`--warm-up-steps N` trains each variant to be run whose run compiles N steps first, on its timed run's training path
+(untimed, BENCH/warm_up/), so that its timed run finds it warm (its result says so, `warm_up_steps`): otherwise the
+first compiled variant alone pays the first compilation (91 s on an H100, 2026-12-06).
 
 Results: BENCH/results/NAME.json for a variant's run (NAME@sSEED.json with several seeds; written, complete, as soon
 as it finishes; a failed run is written too, with its exit code and last line, and tried again on the next run),
@@ -389,26 +390,30 @@ def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], ste
     if len(seeds) > 1:
         del header["seed"]
         header["seeds"] = seeds
-    if warm_up_steps:
-        header["warm_up_steps"] = warm_up_steps
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(bench.root / "compile_cache" / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(bench.root / "compile_cache" / "triton"))
     log.info("recipe bench in %s: %d variants x %d steps%s (validation every %d) at seeds %s, on %s", bench.root,
              len(variants), steps, "".join(f", {n} {s}" for n, s in steps_of.items()), eval_every,
              ", ".join(map(str, seeds)), device_name())
 
+    variant_of = {run: variant for run, variant, _, _ in runs}
+    warmed: set[str] = set()  # the variants whose runs here start from the compile cache warmed for them
+
     def train(name: str) -> None:
         seed, flags, length = settings[name]["seed"], settings[name]["flags"], settings[name]["steps"]
         command = dflash_command("train", "--cache", str(cache), "--out", str(bench.runs / name), "--overwrite",
                                  "--max-steps", str(length), "--eval-every", str(eval_every), "--seed", str(seed),
                                  "--checkpoint-every", "0", "--keep-checkpoints", "1", *train_flags, *flags)
-        bench.write(bench.result_path(name), train_variant(bench, name, command, settings[name]))
+        record = train_variant(bench, name, command, settings[name])
+        if variant_of[name] in warmed:
+            record["warm_up_steps"] = warm_up_steps
+        bench.write(bench.result_path(name), record)
         write_summary(bench, header)
 
     if warm_up_steps:
         to_train = dict.fromkeys(variant for run, variant, _, _ in runs if not done[run])
-        warm_up(bench, cache, [(name, flags) for name, flags in variants if name in to_train], warm_up_steps,
-                train_flags)
+        warmed = warm_up(bench, cache, [(name, train_flags + flags, variant_steps[name]) for name, flags in variants
+                                        if name in to_train], warm_up_steps, seeds[0])
     for run, *_ in runs:
         if done[run]:
             log.info("variant %s: done before (%s), skipped", run, bench.result_path(run))
@@ -431,18 +436,24 @@ def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], ste
     return write_summary(bench, header)
 
 
-def warm_up(bench: Bench, cache: Path, variants: list[tuple[str, list[str]]], steps: int,
-            train_flags: list[str]) -> None:
-    """Each variant in `variants` trains `steps` steps first, into BENCH/warm_up/NAME, recorded nowhere, so that
-    every timed run starts from the bench's compile cache warm (--warm-up-steps). Without it the first compiled
-    variant alone pays the first compilation on the machine in its training time (91 s of an H100 run's 170 s on
-    2026-12-06, against ~12-17 s for the variants after it), which makes an equal-time comparison unequal. A warm-up
-    that fails is logged and the bench goes on (its timed run will say why again)."""
-    for name, flags in variants:
+def warm_up(bench: Bench, cache: Path, variants: list[tuple[str, list[str], int]], steps: int,
+            seed: int) -> set[str]:
+    """Each variant of `variants` (name, all its `dflash train` flags, its timed run's steps) whose run compiles
+    trains `steps` steps first, into BENCH/warm_up/NAME, recorded nowhere, so that its timed run starts from the
+    bench's compile cache warm (--warm-up-steps); returns the names warmed up. Without it the first compiled variant
+    alone pays the first compilation on the machine in its training time (91 s of an H100 run's 170 s on
+    2026-12-06, against ~12-17 s for the variants after it), which makes an equal-time comparison unequal. The
+    warm-up takes the timed run's training path even where that run's length chose it (`compiles`). A warm-up that
+    fails is logged and the bench goes on (its timed run will say why again)."""
+    warmed = set()
+    for name, flags, timed_steps in variants:
+        if not compiles(flags, timed_steps):
+            log.info("variant %s: no warm-up (its run does not compile)", name)
+            continue
         folder = bench.root / "warm_up" / name
         command = dflash_command("train", "--cache", str(cache), "--out", str(folder), "--overwrite", "--max-steps",
                                  str(steps), "--eval-every", "0", "--checkpoint-every", "0", "--keep-checkpoints",
-                                 "1", *train_flags, *flags)
+                                 "1", "--seed", str(seed), *flags, "--compile")
         folder.mkdir(parents=True, exist_ok=True)
         started = time.time()
         with open(bench.root / "warm_up" / f"{name}.train.out", "w", encoding="utf-8") as handle:
@@ -450,6 +461,28 @@ def warm_up(bench: Bench, cache: Path, variants: list[tuple[str, list[str]]], st
                                   stdin=subprocess.DEVNULL).returncode
         log.info("variant %s: warm-up of %d step(s) %s in %.0f s (not timed)", name, steps,
                  "done" if code == 0 else f"exited {code}", time.time() - started)
+        if code == 0:
+            warmed.add(name)
+    return warmed
+
+
+def compiles(flags: list[str], steps: int) -> bool:
+    """Whether `dflash train` with `flags` for `steps` steps compiles on this machine: as given (--compile /
+    --no-compile, the last one), else the path `fast_path.training_path` picks for the run's length and device."""
+    import torch
+
+    from dflash.stage2_train.fast_path import training_path
+
+    tokens = [part for flag in flags for part in (flag.split("=", 1) if flag.startswith("--") else [flag])]
+    given_compile, values = None, {}
+    for i, token in enumerate(tokens):
+        if token in ("--compile", "--no-compile"):
+            given_compile = token == "--compile"
+        elif token in ("--attention", "--architecture") and i + 1 < len(tokens):
+            values[token] = tokens[i + 1]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return training_path(values.get("--attention", "auto"), given_compile, device, steps, 0, "--fsdp" in tokens,
+                         values.get("--architecture", "dflash"))[1]
 
 
 def complete(bench: Bench, name: str) -> bool:
@@ -580,6 +613,16 @@ def write_summary(bench: Bench, header: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------- the tables
 
 
+def warm_up_text(bench: dict[str, Any]) -> str:
+    """The table header's words on the runs that started from a compile cache warmed for them (--warm-up-steps)."""
+    warmed = [(r["name"], r["warm_up_steps"]) for r in bench["results"] if r.get("warm_up_steps")]
+    if not warmed:
+        return ""
+    steps = sorted({n for _, n in warmed})
+    return (f" ({', '.join(name for name, _ in warmed)}: trained {'/'.join(map(str, steps))} untimed warm-up "
+            f"step(s) first, so that {'its run' if len(warmed) == 1 else 'their runs'} found the compile cache warm)")
+
+
 def tau_text(tau: float | None, stderr: float | None) -> str:
     """tau +- its standard error (n/a: a single sequence or prompt has none)."""
     if tau is None:
@@ -616,8 +659,7 @@ def render_markdown(bench: dict[str, Any]) -> str:
         f"block tok/s over each run's steps after the first {bench['untimed_steps']} (which hold the warm-up and "
         f"compilation: untimed s); train s: the sum of every step's time, the untimed ones included (evaluations "
         f"excluded), and its ratio to the baseline's run at the same seed, as measured"
-        + (f" (each variant trained {bench['warm_up_steps']} untimed steps first, so every run found the compile "
-           "cache warm)" if bench.get("warm_up_steps") else "")
+        + warm_up_text(bench)
         + f"; peak memory of the whole run. Flags of every variant: "
         f"`{shlex.join(bench['train_flags']) or '(none)'}`. Device: {', '.join(devices) or '-'}.",
         "",
@@ -762,9 +804,9 @@ def main() -> None:
               help="The first N steps of each variant are left out of its s/step and block tokens/s (warm-up, "
                    "compilation) and reported apart.")
 @click.option("--warm-up-steps", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Before the timed runs, each variant to train trains this many steps into BENCH/warm_up (not "
-                   "recorded), so that every timed run finds the compile cache warm (0: none; the first compiled "
-                   "variant then pays the first compilation in its training time).")
+              help="Before the timed runs, each variant to train whose run compiles trains this many steps into "
+                   "BENCH/warm_up (not recorded), so that its timed run finds the compile cache warm (0: none; the "
+                   "first compiled variant then pays the first compilation in its training time).")
 @click.option("--live-data", default="mtbench,humaneval", show_default=True,
               help="`dflash eval --data` datasets of the live evaluations, comma-separated (empty: none).")
 @click.option("--live-samples", type=click.IntRange(min=0), default=20, show_default=True,

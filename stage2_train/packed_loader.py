@@ -78,7 +78,8 @@ def make_loader(dataset: CacheBatches, num_workers: int, *, prefetch_factor: int
     guard in the launching script.
 
     Memory in flight: num_workers * prefetch_factor micro-batches of about batch_tokens * D * 2 bytes each, in
-    shared memory (/dev/shm must hold them: containers often default to 64 MB).
+    shared memory (/dev/shm must hold them: containers often default to 64 MB); twice that near an epoch's end,
+    while the next epoch's loader, started ahead, fills its own.
 
     Default context: fork, except for a cache in object storage (shared/object_store.py): obstore's I/O runtime
     lives in threads of the parent, which a forked child does not have (its first read would wait forever), so

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -194,10 +195,9 @@ def test_a_variant_with_its_own_steps_trains_its_own_schedule_and_its_training_t
     result = run_bench(baseline_cache, out, *extra, "--warm-up-steps", "1")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "variant base: done before" in result.stderr and "variant g4: training" in result.stderr
-    # The warm-up: g4 alone (base is done) trained one untimed step first, into warm_up/, before its timed run.
-    assert "variant base: warm-up" not in result.stderr
-    assert result.stderr.index("variant g4: warm-up of 1 step(s) done") < result.stderr.index("variant g4: training")
-    assert sorted(step_records(out / "warm_up" / "g4")) == [1] and not (out / "warm_up" / "base").exists()
+    # --warm-up-steps: only g4 is to be trained (base is done), and on the CPU its run does not compile: no warm-up.
+    assert "variant g4: no warm-up (its run does not compile)" in result.stderr and "base: no warm-up" not in (
+        result.stderr) and not (out / "warm_up").exists()
     assert {path: path.stat().st_mtime_ns for path in kept} == kept
     # g4 trained its own steps on its own cosine schedule (read from its metrics): the learning rate moves until
     # its last step and reaches 0 there, where the baseline's reached 0 at STEPS.
@@ -228,7 +228,60 @@ def test_a_variant_with_its_own_steps_trains_its_own_schedule_and_its_training_t
             and f"| {own} | {seconds['g4']:,.1f} | {seconds['g4'] / seconds['base']:.3f}x | " in rows["g4"])
     assert rows["base"].endswith("| baseline's |") and f"| its own over {own} steps (peak lr" in rows["g4"]
     assert f"{STEPS} steps per variant (the same cosine schedule), except g4 {own} steps (their own" in table
-    assert record["warm_up_steps"] == 1 and "(each variant trained 1 untimed steps first" in table
+    assert not any("warm_up_steps" in r for r in record["results"]) and "untimed warm-up" not in table
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_a_variant_compiles_as_its_flags_or_its_runs_length_say(cuda: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`compiles`, which decides the warm-up: the flags' --compile / --no-compile (the last one), else the path
+    `fast_path.training_path` picks for the timed run's length, device, attention, architecture and --fsdp."""
+    from dflash.stage2_train.fast_path import COMPILE_MIN_STEPS, training_path
+
+    module = load_bench()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    long, short = COMPILE_MIN_STEPS, COMPILE_MIN_STEPS - 1
+    assert module.compiles(["--compile"], short) and module.compiles(["--no-compile", "--compile"], short)
+    assert not module.compiles(["--compile", "--no-compile"], long)
+    cases = [([], long), ([], short), (["--attention", "sdpa"], long), (["--attention=flex"], long),
+             (["--attention", "flex"], short), (["--fsdp"], long), (["--architecture", "dflash2"], long),
+             (["--lr", "1e-3", "--loss", "kl"], long)]
+    for flags, steps in cases:
+        attention = next((f.split("=")[1] for f in flags if f.startswith("--attention=")), None) or (
+            flags[flags.index("--attention") + 1] if "--attention" in flags else "auto")
+        architecture = flags[flags.index("--architecture") + 1] if "--architecture" in flags else "dflash"
+        expected = training_path(attention, None, "cuda" if cuda else "cpu", steps, 576, "--fsdp" in flags,
+                                 architecture)[1]
+        assert module.compiles(flags, steps) == expected, (flags, steps)
+    assert module.compiles([], long) == cuda  # a long run compiles on CUDA by itself, never on the CPU
+
+
+def test_the_warm_up_trains_the_compiled_variants_on_their_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`warm_up` trains the given steps of each variant whose run compiles, with its flags, the seed and --compile
+    (a long run that compiles by itself would not compile in a short warm-up), into warm_up/NAME; it skips the others
+    and returns the names it warmed up (a failed warm-up is not one of them)."""
+    module = load_bench()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    calls = tmp_path / "calls.jsonl"
+    stub = ("import json, sys; open(sys.argv[1], 'a').write(json.dumps(sys.argv[2:]) + '\\n'); "
+            "sys.exit(3 if '--fail' in sys.argv else 0)")
+    monkeypatch.setattr(module, "dflash_command", lambda *args: [sys.executable, "-c", stub, str(calls), *args])
+    bench = module.Bench(tmp_path / "bench")
+    bench.root.mkdir()
+    variants = [("auto", ["--lr", "1e-3"], 5000), ("plain", ["--no-compile"], 5000), ("short", [], 10),
+                ("given", ["--compile"], 10), ("broken", ["--compile", "--fail"], 10)]
+    warmed = module.warm_up(bench, tmp_path / "cache", variants, 3, 7)
+    assert warmed == {"auto", "given"}
+    commands = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [c[c.index("--out") + 1] for c in commands] == [str(bench.root / "warm_up" / n)
+                                                            for n in ("auto", "given", "broken")]
+    for command in commands:
+        assert command[0] == "train" and command[command.index("--max-steps") + 1] == "3"
+        assert command[command.index("--seed") + 1] == "7" and command[-1] == "--compile"
+    assert commands[0][commands[0].index("--lr") + 1] == "1e-3"
+    # The table names the runs that started warm (their results carry warm_up_steps), and only those.
+    assert module.warm_up_text({"results": [{"name": "auto", "warm_up_steps": 3}, {"name": "plain"}]}) == (
+        " (auto: trained 3 untimed warm-up step(s) first, so that its run found the compile cache warm)")
+    assert module.warm_up_text({"results": [{"name": "plain"}]}) == ""
 
 
 def test_steps_of_names_a_variant_and_positive_steps() -> None:

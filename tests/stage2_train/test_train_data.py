@@ -417,7 +417,8 @@ def test_loader_workers_end_quietly_on_sigterm(cache: Path, epoch_plan: list[lis
 def test_an_interrupt_while_an_epoch_ends_reaches_the_loop(cache: Path, epoch_plan: list[list[Sample]],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A Ctrl-C that arrives while the loop stops an epoch's workers propagates (it was raised in the iterator's
-    __del__, where Python swallows it: the run went on training); the workers are stopped either way."""
+    __del__, where Python swallows it: the run went on training); the workers are stopped either way, those of the
+    next epoch's loader (started ahead) too."""
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
     from dflash.stage2_train.trainer import step_batches
@@ -434,19 +435,19 @@ def test_an_interrupt_while_an_epoch_ends_reaches_the_loop(cache: Path, epoch_pl
 
     monkeypatch.setattr(_MultiProcessingDataLoaderIter, "_shutdown_workers", interrupted_shutdown)
     run = SimpleNamespace(
-        state=SimpleNamespace(epoch=0, position=0, step=0), options=SimpleNamespace(grad_accum=1), total_steps=2,
+        state=SimpleNamespace(epoch=0, position=0, step=0), options=SimpleNamespace(grad_accum=1), total_steps=4,
         plan=lambda epoch: epoch_plan, steps_in_epoch=lambda epoch, plan: 2,
         loader=lambda epoch, position, plan: make_loader(
             CacheBatches(cache, plan, epoch=epoch, seed=1, rule=AnchorRule(None, 8, 4), bucket_multiple=PAD), 2,
             pin_memory=False))
     batches = step_batches(run)  # type: ignore[arg-type]
-    for _ in range(2):  # the first epoch's two steps, counted as the trainer does (the run ends with them)
+    for _ in range(2):  # the first epoch's two steps, counted as the trainer does (the second epoch's loader starts)
         next(batches)
         run.state.step += 1
     with pytest.raises(KeyboardInterrupt):
         next(batches)
-    assert run.state.epoch == 0 and len(stopped) == 1
-    assert all(worker.exitcode is not None for worker in stopped[0])
+    assert run.state.epoch == 0 and len(stopped) == 2  # this epoch's loader and the next one's
+    assert all(worker.exitcode is not None for workers in stopped for worker in workers)
 
 
 @pytest.mark.parametrize("lead", [0, 2, 50])
@@ -511,6 +512,21 @@ def test_the_next_epochs_loader_starts_before_this_epoch_ends_and_the_batches_st
         run.state.step += 1
         run.state.position += 1
     batches.close()
+    assert len(started) == (2 if lead else 1) and all(iterator._shutdown for iterator in started)  # type: ignore[attr-defined]
+
+    # Resumed inside its first epoch (as a checkpoint's position says) and stopped by an error at the last step of
+    # that epoch: the tail of the epoch, then the error; both loaders stopped.
+    run.state = SimpleNamespace(epoch=0, position=1, step=1)
+    started.clear()
+    batches = trainer.step_batches(run)  # type: ignore[arg-type]
+    tail = []
+    for _ in range(steps_per_epoch - 1):
+        tail.append(next(batches)[0])
+        run.state.step += 1
+        run.state.position += 1
+    assert all(same_batch(a, b) for a, b in zip(tail, expected[1:steps_per_epoch], strict=True))
+    with pytest.raises(RuntimeError, match="the step failed"):
+        batches.throw(RuntimeError("the step failed"))
     assert len(started) == (2 if lead else 1) and all(iterator._shutdown for iterator in started)  # type: ignore[attr-defined]
 
 
