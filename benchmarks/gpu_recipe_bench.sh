@@ -21,9 +21,10 @@
 # STEPS (600), VARIANT_STEPS
 # ("NAME=STEPS;NAME=STEPS": those variants train their own number of steps instead, each its own cosine schedule
 # over its own length: recipe_bench.py --steps-of; the equal-time comparison below), EVAL_EVERY (200),
-# TRAIN_FLAGS (every variant's flags), UNTIMED_STEPS (50), COMPILE_WARM_UP (N: each variant trains N untimed steps
-# first, recipe_bench.py --warm-up-steps, so that no variant's training time holds the machine's first compilation:
-# 91 s of the fast variant's 170 s on 2026-12-06; 3 covers the first shapes; ~40 s a variant), SEEDS ("0,1,2": every variant trained once per seed,
+# TRAIN_FLAGS (every variant's flags), UNTIMED_STEPS (50), COMPILE_WARM_UP (N: each variant whose run compiles
+# trains N untimed steps first, recipe_bench.py --warm-up-steps, so that no variant's training time holds the
+# machine's first compilation: 91 s of the fast variant's 170 s on 2026-12-06; 3 covers the first shapes; ~40 s a
+# variant), SEEDS ("0,1,2": every variant trained once per seed,
 # runs NAME@sSEED, all variants at a seed before the next; the table adds each variant's mean over seeds and its
 # difference to the baseline paired by seed; default: one run per variant at seed 0), LIVE_SAMPLES (20),
 # LIVE_TOKENS (512), LIVE_FLAGS, and RESULTS_FROM: a folder of an earlier bench's results/*.json (carried in the
