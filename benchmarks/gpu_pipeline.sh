@@ -14,6 +14,11 @@
 #             latest (finished conversations kept); the carried ones and the new ones are saved as
 #             $WORK/gen/finished.jsonl and $OUT/generated.jsonl.gz for the next session, so sessions add up;
 #             GEN_SECONDS=0 generates nothing and uses the carried conversations only. May run detached (below)
+#   genab     (before generate) the two batching paths on the same first AB_SAMPLES (1024) pending first turns, one
+#             after the other, each alone, at most AB_SECONDS (300) each: GEN_FLAGS (padded batches, per-batch static
+#             caches) and AB_FLAGS (transformers' continuous batching); the faster by new tokens per second of its
+#             whole run (start-up and compilation included) goes to $WORK/gen_flags, which generate then uses, and
+#             its conversations join the carried ones (no longer pending), so the A/B costs the slower run only
 #   pack      (each poll call of a detached generate) wait up to WAIT seconds (0) for the generate stage to end,
 #             then bring what is finished so far, carried + new, back as $OUT2/generated.jsonl.gz, with
 #             timings.tsv, generate.log and generate.out (benchmarks/generation_sessions.py merge: whole records
@@ -62,11 +67,13 @@
 #   call 2:  carry .carry_b;  export OUT2=$OUT OUT=/tmp/gpu_out; cp -r . /tmp/repo && cd /tmp/repo &&
 #            bash benchmarks/gpu_pipeline.sh model
 #   call 3:  carry .carry_c;  export OUT2=$OUT OUT=/tmp/gpu_out; cp -r .carry_c /tmp/repo/ && cd /tmp/repo &&
-#            bash benchmarks/gpu_pipeline.sh turns && (SAMPLES=all GEN_SECONDS=$((LEFT - 150))
-#            setsid nohup bash benchmarks/gpu_pipeline.sh generate >/tmp/gpu_out/generate.out 2>&1 </dev/null &);
-#            WAIT=500 bash benchmarks/gpu_pipeline.sh pack
+#            bash benchmarks/gpu_pipeline.sh turns && (SAMPLES=all GEN_SECONDS=$((LEFT - 150 - 2 * AB))
+#            setsid nohup bash benchmarks/gpu_pipeline.sh genab generate >/tmp/gpu_out/generate.out 2>&1
+#            </dev/null &); WAIT=500 bash benchmarks/gpu_pipeline.sh pack
 #            (LEFT = the budget_left_s of the reply to call 2; 150 s leave call 3's start, the merge after the time
-#            limit, the last pack and its transfer, and the 30 s the machine is held after the last call)
+#            limit, the last pack and its transfer, and the 30 s the machine is held after the last call; AB = 240,
+#            genab's estimate per path for its 1,024 turns: ~60 s of start-up and ~110 s of generation at the
+#            static path's 3,680 tokens/s; genab can be left out once the faster path is known)
 #   then:    export OUT2=$OUT OUT=/tmp/gpu_out; cd /tmp/repo && WAIT=560 bash benchmarks/gpu_pipeline.sh pack
 #            (again right after each returns, until timings.tsv ends with "generate stage done"; pack returns as
 #            soon as the stage has ended. Every call's generated.jsonl.gz holds all that is finished, so losing the
@@ -88,9 +95,9 @@
 # GEN_BATCH_TOKENS below): not measured.
 # Two batching paths not yet measured on a GPU (2026-12-06): the static caches are now sized per batch (chunks come
 # longest prompts first; generate.log's "batch of" lines, summarised by KV length in summary.json's
-# generate_batches), and GEN_FLAGS="--workers-per-gpu 1 --chunk-size 2048 --continuous-batching" (transformers'
-# continuous batching) replaces padded batches altogether. Time both on the first ~2,000 turns (SAMPLES=2048,
-# CARRIED=none, each in a fresh $WORK/gen) before the long run, and generate the rest with the faster.
+# generate_batches), and AB_FLAGS="--workers-per-gpu 1 --chunk-size 2048 --continuous-batching" (transformers'
+# continuous batching) replaces padded batches altogether. `genab` times both on the same first 1,024 turns before
+# the long run (its answers are kept), and `generate` goes on with the faster (call 3 above).
 # Size: all ~16,760 merged are ~10 MB as gzip (588 bytes a conversation; ~7 MB as xz). In the tree, that puts
 # calls 1 and 2 over 64 MiB (72.2 and 69.8 MiB with it, without the older files' removal): a second session before the
 # commit carries the file in .carry_c instead (cp it to .carry_c/carried.jsonl.gz; call 3 with
@@ -164,6 +171,9 @@ gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/d
 [[ "$gpu_mib" =~ ^[0-9]+$ ]] || gpu_mib=0
 GEN_BATCH_TOKENS=$(( gpu_mib > 120000 ? 1310720 : 655360 ))
 GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 2 --batch-tokens $GEN_BATCH_TOKENS --chunk-size 512 --static-cache}
+AB_FLAGS=${AB_FLAGS:---workers-per-gpu 1 --chunk-size 2048 --continuous-batching}  # genab's other path
+AB_SAMPLES=${AB_SAMPLES:-1024}
+AB_SECONDS=${AB_SECONDS:-300}
 MAX_LENGTH=${MAX_LENGTH:-2048}
 TRAIN_SECONDS=${TRAIN_SECONDS:-540}  # or TRAIN_END, below
 TRAIN_MARGIN=${TRAIN_MARGIN:-120}  # seconds of it left for start-up, evaluations, checkpoints and the final export
@@ -270,17 +280,55 @@ for stage in "$@"; do
         mkdir -p "$WORK/gen" && rm -f "$WORK/gen/finished.jsonl" "$WORK"/gen/.finished.jsonl.tmp-* "$WORK/generate_done"
         samples=(--max-samples "$SAMPLES")
         [ "$SAMPLES" = all ] && samples=()
+        flags=$GEN_FLAGS
+        [ -f "$WORK/gen_flags" ] && flags=$(cat "$WORK/gen_flags")  # the faster path of genab
         # GEN_SECONDS=0: use only the carried conversations (`timeout 0` would mean no limit at all).
         # shellcheck disable=SC2086
         [ "$GEN_SECONDS" -gt 0 ] && timed generate timeout -s TERM "$GEN_SECONDS" $DF generate \
             --data "$WORK/sharegpt.jsonl.gz" --out "$WORK/gen" "${samples[@]}" --max-new-tokens "$NEW_TOKENS" \
-            --max-length "$MAX_LENGTH" --max-turns 1 $GEN_FLAGS
+            --max-length "$MAX_LENGTH" --max-turns 1 $flags
         # A run stopped by its time limit keeps its finished conversations: use those.
         merge_generated "$WORK/gen/finished.jsonl" | tee -a "$OUT/timings.tsv"
         [ -f "$WORK/gen/generate.log" ] && cp "$WORK/gen/generate.log" "$OUT/"
         gzip -c "$WORK/gen/finished.jsonl" >"$OUT/generated.jsonl.gz"
         date +%s >"$WORK/generate_done"
         echo "generate stage done" | tee -a "$OUT/timings.tsv"
+        ;;
+    genab)
+        rm -f "$WORK/gen_flags"
+        for path in static continuous; do
+            flags=$GEN_FLAGS
+            [ "$path" = continuous ] && flags=$AB_FLAGS
+            rm -rf "$WORK/genab_$path"
+            start=$(date +%s.%N)
+            # shellcheck disable=SC2086
+            timed "genab_$path" timeout -s TERM "$AB_SECONDS" $DF generate --data "$WORK/sharegpt.jsonl.gz" \
+                --out "$WORK/genab_$path" --max-samples "$AB_SAMPLES" --max-new-tokens "$NEW_TOKENS" \
+                --max-length "$MAX_LENGTH" --max-turns 1 $flags
+            seconds=$(python3 -c 'import sys, time; print(time.time() - float(sys.argv[1]))' "$start")
+            # its finished conversations and new tokens (the same merge as generate's, without carried ones)
+            counts=$(python3 benchmarks/generation_sessions.py merge --carried "$WORK/genab_none.jsonl" \
+                --gen "$WORK/genab_$path" --out "$WORK/genab_$path.jsonl")
+            tokens=$(grep '^generated' <<<"$counts" | cut -f3 | cut -d' ' -f1)
+            printf 'genab\t%s\t%s new tokens\t%.1f s\t%s\n' "$path" "${tokens:-0}" "$seconds" "$flags" |
+                tee -a "$OUT/timings.tsv"
+            printf '%s\t%s\t%s\n' "$(python3 -c 'import sys; print(float(sys.argv[1] or 0) / float(sys.argv[2]))' \
+                "${tokens:-0}" "$seconds")" "$path" "$flags" >>"$WORK/genab_rates.tsv"
+        done
+        best=$(sort -t$'\t' -k1,1 -g "$WORK/genab_rates.tsv" | tail -n 1)
+        rm -f "$WORK/genab_rates.tsv"
+        path=$(cut -f2 <<<"$best")
+        if ! python3 -c 'import sys; sys.exit(float(sys.argv[1]) <= 0)' "$(cut -f1 <<<"$best")"; then
+            printf 'genab\tneither path generated anything: generate keeps GEN_FLAGS\n' | tee -a "$OUT/timings.tsv"
+            exit 0
+        fi
+        cut -f3 <<<"$best" >"$WORK/gen_flags"
+        printf 'genab\tthe faster: %s (%s new tokens/s)\n' "$path" "$(cut -f1 <<<"$best")" | tee -a "$OUT/timings.tsv"
+        # Its conversations are kept: they join the carried ones, and the first turns left to generate lose them.
+        python3 benchmarks/generation_sessions.py merge --carried "$WORK/carried.jsonl" --gen "$WORK/genab_$path" \
+            --out "$WORK/carried.next.jsonl" >/dev/null && mv "$WORK/carried.next.jsonl" "$WORK/carried.jsonl"
+        python3 benchmarks/generation_sessions.py pending --turns "$WORK/sharegpt.jsonl.gz" \
+            --carried "$WORK/carried.jsonl" | tee -a "$OUT/timings.tsv"
         ;;
     turns)
         carried_and_turns

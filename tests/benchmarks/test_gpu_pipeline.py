@@ -212,6 +212,59 @@ def test_generation_sessions_add_up_without_regenerating_or_losing_a_conversatio
     assert [r["id"] for r in read_jsonl(work / "sharegpt.jsonl.gz")] == [i for i in new_ids if i not in ("n0", "n2")]
 
 
+# A stand-in for `dflash generate` in the batching A/B: answers the first --max-samples (or all) of its --data with
+# 10 new tokens each, the padded path (--static-cache) two seconds slower, and records its arguments.
+AB_STUB = r'''
+import gzip, json, os, sys, time
+from pathlib import Path
+from dflash.stage1_extract.generate_run import PARTS_DIR
+args = sys.argv[1:]
+out, data = Path(args[args.index("--out") + 1]), args[args.index("--data") + 1]
+ids = [json.loads(line)["id"] for line in gzip.open(data, "rt", encoding="utf-8")]
+ids = ids[:int(args[args.index("--max-samples") + 1])] if "--max-samples" in args else ids
+with open(os.environ["STUB_CALLS"], "a") as calls:
+    calls.write(json.dumps({"args": args, "ids": ids}) + "\n")
+if "--static-cache" in args:
+    time.sleep(2)
+(out / PARTS_DIR).mkdir(parents=True, exist_ok=True)
+with open(out / PARTS_DIR / "worker-0.jsonl.part", "w") as part:
+    for key in ids:
+        part.write(json.dumps({"id": key, "messages": [{"role": "user", "content": f"question {key}"},
+                                                       {"role": "assistant", "content": f"{out.name} {key}"}],
+                               "dflash": {"generated_tokens": 10, "finish_reason": "stop"}}) + "\n")
+'''
+
+
+def test_the_batching_ab_keeps_the_faster_paths_answers_and_generate_goes_on_with_its_flags(tmp_path: Path) -> None:
+    """`genab`: both batching paths on the same first AB_SAMPLES pending turns, one after the other; the faster by
+    new tokens per second (here continuous batching) is written for `generate`, which uses its flags over the
+    turns the A/B left; the faster's answers join the carried ones (none generated twice, the slower's dropped)."""
+    carried = [conversation("c0", "carried answer")]
+    turns = [conversation(key, f"ShareGPT answer {key}") for key in ("c0", *(f"n{i}" for i in range(6)))]
+    write_jsonl_gz(tmp_path / "carried.jsonl.gz", carried)
+    write_jsonl_gz(tmp_path / "turns.jsonl.gz", turns)
+    (tmp_path / "stub.py").write_text(AB_STUB)
+    work, out = tmp_path / "work", tmp_path / "out"
+    env = {**os.environ, "STUB_CALLS": str(tmp_path / "calls.jsonl"), "DF": f"{shlex.quote(sys.executable)} "
+           f"{tmp_path / 'stub.py'}", "OUT": str(out), "WORK": str(work), "CARRIED": str(tmp_path / "carried.jsonl.gz"),
+           "TURNS": str(tmp_path / "turns.jsonl.gz"), "SAMPLES": "all", "AB_SAMPLES": "2",
+           "PATH": python3_on_path(tmp_path)}
+    result = subprocess.run(["bash", "benchmarks/gpu_pipeline.sh", "turns", "genab", "generate"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    static, continuous, generate = calls
+    assert static["ids"] == continuous["ids"] == ["n0", "n1"] and generate["ids"] == ["n2", "n3", "n4", "n5"]
+    assert "--static-cache" in static["args"] and "--continuous-batching" in continuous["args"]
+    assert "--continuous-batching" in generate["args"] and "--max-samples" not in generate["args"]
+    timings = (out / "timings.tsv").read_text()
+    assert "genab\tstatic\t20 new tokens\t" in timings and "genab\tcontinuous\t20 new tokens\t" in timings
+    assert "genab\tthe faster: continuous (" in timings
+    answers = {r["id"]: r["messages"][-1]["content"] for r in read_jsonl(out / "generated.jsonl.gz")}
+    assert answers == {"c0": "carried answer", "n0": "genab_continuous n0", "n1": "genab_continuous n1",
+                       **{f"n{i}": f"gen n{i}" for i in range(2, 6)}}
+
+
 def test_first_turns_hold_every_conversation_that_has_an_answer(tmp_path: Path) -> None:
     """gpu_carry.sh's first turns (benchmarks/generation_sessions.py first-turns): every conversation with an
     assistant turn after a user turn, cut after that answer; of all the dataset's conversations, or of its first N
