@@ -67,13 +67,14 @@
 #   call 2:  carry .carry_b;  export OUT2=$OUT OUT=/tmp/gpu_out; cp -r . /tmp/repo && cd /tmp/repo &&
 #            bash benchmarks/gpu_pipeline.sh model
 #   call 3:  carry .carry_c;  export OUT2=$OUT OUT=/tmp/gpu_out; cp -r .carry_c /tmp/repo/ && cd /tmp/repo &&
-#            bash benchmarks/gpu_pipeline.sh turns && (SAMPLES=all GEN_SECONDS=$((LEFT - 150 - 2 * AB))
+#            bash benchmarks/gpu_pipeline.sh turns && (SAMPLES=all GEN_END=$(( $(date +%s) + LEFT - 150 ))
 #            setsid nohup bash benchmarks/gpu_pipeline.sh genab generate >/tmp/gpu_out/generate.out 2>&1
 #            </dev/null &); WAIT=500 bash benchmarks/gpu_pipeline.sh pack
-#            (LEFT = the budget_left_s of the reply to call 2; 150 s leave call 3's start, the merge after the time
-#            limit, the last pack and its transfer, and the 30 s the machine is held after the last call; AB = 240,
-#            genab's estimate per path for its 1,024 turns: ~60 s of start-up and ~110 s of generation at the
-#            static path's 3,680 tokens/s; genab can be left out once the faster path is known)
+#            (LEFT = the budget_left_s of the reply to call 2; generation stops at GEN_END, 150 s before the budget
+#            ends: call 3's start, the merge after the time limit, the last pack and its transfer, and the 30 s the
+#            machine is held after the last call. genab, at most AB_SECONDS (300) a path, ~3-4 min each for its
+#            1,024 turns, comes off the generation; leave it out once the faster path is known. A machine lost or a
+#            generate restarted: the same command again; genab does not run twice on one machine)
 #   then:    export OUT2=$OUT OUT=/tmp/gpu_out; cd /tmp/repo && WAIT=560 bash benchmarks/gpu_pipeline.sh pack
 #            (again right after each returns, until timings.tsv ends with "generate stage done"; pack returns as
 #            soon as the stage has ended. Every call's generated.jsonl.gz holds all that is finished, so losing the
@@ -221,8 +222,9 @@ timed() {  # timed NAME COMMAND...: run, append "NAME seconds rc" to timings.tsv
     return 0
 }
 
-carried_and_turns() {  # $WORK/carried.jsonl from $CARRIED; the first turns of $TURNS not carried
+carried_and_turns() {  # $WORK/carried.jsonl from $CARRIED (and genab's kept answers); the first turns of $TURNS not carried
     if [ -f "$CARRIED" ]; then gzip -dc "$CARRIED" >"$WORK/carried.jsonl"; else rm -f "$WORK/carried.jsonl"; fi
+    [ -f "$WORK/genab_kept.jsonl" ] && cat "$WORK/genab_kept.jsonl" >>"$WORK/carried.jsonl"
     [ -f "$TURNS" ] || return 0
     cp "$TURNS" "$WORK/sharegpt.jsonl.gz"
     python3 benchmarks/generation_sessions.py pending --turns "$WORK/sharegpt.jsonl.gz" \
@@ -282,6 +284,10 @@ for stage in "$@"; do
         [ "$SAMPLES" = all ] && samples=()
         flags=$GEN_FLAGS
         [ -f "$WORK/gen_flags" ] && flags=$(cat "$WORK/gen_flags")  # the faster path of genab
+        printf 'generate flags\t%s\n' "$flags" | tee -a "$OUT/timings.tsv"
+        # GEN_END (epoch seconds): generate until then instead of for GEN_SECONDS, so that time spent before (genab)
+        # comes off the generation, not off the session's end.
+        [ -n "${GEN_END:-}" ] && GEN_SECONDS=$((GEN_END - $(date +%s)))
         # GEN_SECONDS=0: use only the carried conversations (`timeout 0` would mean no limit at all).
         # shellcheck disable=SC2086
         [ "$GEN_SECONDS" -gt 0 ] && timed generate timeout -s TERM "$GEN_SECONDS" $DF generate \
@@ -295,7 +301,13 @@ for stage in "$@"; do
         echo "generate stage done" | tee -a "$OUT/timings.tsv"
         ;;
     genab)
-        rm -f "$WORK/gen_flags"
+        # Done once per machine: a rerun (call 3's command again) keeps the choice and the answers (genab_kept.jsonl,
+        # which `turns` adds to the carried ones), so the turns left stay those `generate` resumes on.
+        if [ -f "$WORK/gen_flags" ]; then
+            printf 'genab\tdone before: %s\n' "$(cat "$WORK/gen_flags")" | tee -a "$OUT/timings.tsv"
+            continue
+        fi
+        rm -f "$WORK/genab_rates.tsv" "$WORK/genab_kept.jsonl"
         for path in static continuous; do
             flags=$GEN_FLAGS
             [ "$path" = continuous ] && flags=$AB_FLAGS
@@ -306,6 +318,7 @@ for stage in "$@"; do
                 --out "$WORK/genab_$path" --max-samples "$AB_SAMPLES" --max-new-tokens "$NEW_TOKENS" \
                 --max-length "$MAX_LENGTH" --max-turns 1 $flags
             seconds=$(python3 -c 'import sys, time; print(time.time() - float(sys.argv[1]))' "$start")
+            [ -f "$WORK/genab_$path/generate.log" ] && cp "$WORK/genab_$path/generate.log" "$OUT/genab_$path.log"
             # its finished conversations and new tokens (the same merge as generate's, without carried ones)
             counts=$(python3 benchmarks/generation_sessions.py merge --carried "$WORK/genab_none.jsonl" \
                 --gen "$WORK/genab_$path" --out "$WORK/genab_$path.jsonl")
@@ -318,17 +331,16 @@ for stage in "$@"; do
         best=$(sort -t$'\t' -k1,1 -g "$WORK/genab_rates.tsv" | tail -n 1)
         rm -f "$WORK/genab_rates.tsv"
         path=$(cut -f2 <<<"$best")
-        if ! python3 -c 'import sys; sys.exit(float(sys.argv[1]) <= 0)' "$(cut -f1 <<<"$best")"; then
+        if python3 -c 'import sys; sys.exit(float(sys.argv[1] or 0) <= 0)' "$(cut -f1 <<<"$best")"; then
+            cut -f3 <<<"$best" >"$WORK/gen_flags"
+            printf 'genab\tthe faster: %s (%s new tokens/s)\n' "$path" "$(cut -f1 <<<"$best")" |
+                tee -a "$OUT/timings.tsv"
+            # Its answers are kept: they join the carried ones, and the first turns left to generate lose them.
+            cp "$WORK/genab_$path.jsonl" "$WORK/genab_kept.jsonl"
+            carried_and_turns
+        else
             printf 'genab\tneither path generated anything: generate keeps GEN_FLAGS\n' | tee -a "$OUT/timings.tsv"
-            exit 0
         fi
-        cut -f3 <<<"$best" >"$WORK/gen_flags"
-        printf 'genab\tthe faster: %s (%s new tokens/s)\n' "$path" "$(cut -f1 <<<"$best")" | tee -a "$OUT/timings.tsv"
-        # Its conversations are kept: they join the carried ones, and the first turns left to generate lose them.
-        python3 benchmarks/generation_sessions.py merge --carried "$WORK/carried.jsonl" --gen "$WORK/genab_$path" \
-            --out "$WORK/carried.next.jsonl" >/dev/null && mv "$WORK/carried.next.jsonl" "$WORK/carried.jsonl"
-        python3 benchmarks/generation_sessions.py pending --turns "$WORK/sharegpt.jsonl.gz" \
-            --carried "$WORK/carried.jsonl" | tee -a "$OUT/timings.tsv"
         ;;
     turns)
         carried_and_turns

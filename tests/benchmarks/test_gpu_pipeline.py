@@ -227,6 +227,8 @@ with open(os.environ["STUB_CALLS"], "a") as calls:
 if "--static-cache" in args:
     time.sleep(2)
 (out / PARTS_DIR).mkdir(parents=True, exist_ok=True)
+if out.name.startswith("genab_") and os.environ.get("STUB_AB_NOTHING"):
+    sys.exit(143)  # killed by its time limit before its first chunk
 with open(out / PARTS_DIR / "worker-0.jsonl.part", "w") as part:
     for key in ids:
         part.write(json.dumps({"id": key, "messages": [{"role": "user", "content": f"question {key}"},
@@ -263,6 +265,30 @@ def test_the_batching_ab_keeps_the_faster_paths_answers_and_generate_goes_on_wit
     answers = {r["id"]: r["messages"][-1]["content"] for r in read_jsonl(out / "generated.jsonl.gz")}
     assert answers == {"c0": "carried answer", "n0": "genab_continuous n0", "n1": "genab_continuous n1",
                        **{f"n{i}": f"gen n{i}" for i in range(2, 6)}}
+    assert "generate stage done" in timings
+
+    # Call 3's command again on the same machine (a generate restarted): genab keeps its choice and its answers, and
+    # the turns left are the same, so generate resumes on the same data.
+    pending = read_jsonl(work / "sharegpt.jsonl.gz")
+    result = subprocess.run(["bash", "benchmarks/gpu_pipeline.sh", "turns", "genab", "generate"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 4 and calls[3]["ids"] == generate["ids"] and "--continuous-batching" in calls[3]["args"]
+    assert read_jsonl(work / "sharegpt.jsonl.gz") == pending
+    assert "genab\tdone before: --workers-per-gpu 1" in (out / "timings.tsv").read_text()
+    assert {r["id"]: r["messages"][-1]["content"] for r in read_jsonl(out / "generated.jsonl.gz")} == answers
+
+    # Neither path finishing a chunk in its time (a fresh machine): generate still runs, with GEN_FLAGS, over all.
+    env.update(WORK=str(tmp_path / "work2"), OUT=str(tmp_path / "out2"), STUB_AB_NOTHING="1",
+               STUB_CALLS=str(tmp_path / "calls2.jsonl"))
+    result = subprocess.run(["bash", "benchmarks/gpu_pipeline.sh", "turns", "genab", "generate"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    *_, generate = [json.loads(line) for line in (tmp_path / "calls2.jsonl").read_text().splitlines()]
+    assert generate["ids"] == [f"n{i}" for i in range(6)] and "--static-cache" in generate["args"]
+    timings = (tmp_path / "out2" / "timings.tsv").read_text()
+    assert "genab\tneither path generated anything" in timings and timings.endswith("generate stage done\n")
 
 
 def test_first_turns_hold_every_conversation_that_has_an_answer(tmp_path: Path) -> None:
