@@ -96,7 +96,7 @@
 # GEN_BATCH_TOKENS below): not measured.
 # Two batching paths not yet measured on a GPU (2026-12-06): the static caches are now sized per batch (chunks come
 # longest prompts first; generate.log's "batch of" lines, summarised by KV length in summary.json's
-# generate_batches), and AB_FLAGS="--workers-per-gpu 1 --chunk-size 2048 --continuous-batching" (transformers'
+# generate_batches), and AB_FLAGS="--workers-per-gpu 1 --chunk-size 1024 --continuous-batching" (transformers'
 # continuous batching) replaces padded batches altogether. `genab` times both on the same first 1,024 turns before
 # the long run (its answers are kept), and `generate` goes on with the faster (call 3 above).
 # Size: all ~16,760 merged are ~10 MB as gzip (588 bytes a conversation; ~7 MB as xz). In the tree, that puts
@@ -172,7 +172,9 @@ gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/d
 [[ "$gpu_mib" =~ ^[0-9]+$ ]] || gpu_mib=0
 GEN_BATCH_TOKENS=$(( gpu_mib > 120000 ? 1310720 : 655360 ))
 GEN_FLAGS=${GEN_FLAGS:---workers-per-gpu 2 --batch-tokens $GEN_BATCH_TOKENS --chunk-size 512 --static-cache}
-AB_FLAGS=${AB_FLAGS:---workers-per-gpu 1 --chunk-size 2048 --continuous-batching}  # genab's other path
+# genab's other path; 1,024 requests a chunk keep continuous batching's batches full while a chunk cut off at the
+# time limit (its answers are saved when it ends) loses half of what 2,048 would
+AB_FLAGS=${AB_FLAGS:---workers-per-gpu 1 --chunk-size 1024 --continuous-batching}
 AB_SAMPLES=${AB_SAMPLES:-1024}
 AB_SECONDS=${AB_SECONDS:-300}
 MAX_LENGTH=${MAX_LENGTH:-2048}
