@@ -160,19 +160,24 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name, shlex.split(flags)
 
 
+def parse_train_flags(flags: list[str], where: str) -> click.Context:
+    """`flags` parsed as `dflash train` parses them (its options' values and where each came from)."""
+    from dflash.stage2_train.cli import train_command
+
+    try:
+        return train_command.make_context("train", list(flags), default_map={"cache": "."})
+    except click.exceptions.ClickException as error:
+        raise UserError(f"{where}: {error.format_message()}") from None
+    except click.exceptions.Exit:
+        raise UserError(f"{where}: give training flags, not --help") from None
+
+
 def check_train_flags(flags: list[str], refused: tuple[str, ...], where: str) -> None:
     """Parse `flags` as `dflash train` does (a typo fails now, not after the earlier variants trained) and refuse
     the parameters in `refused`."""
     from click.core import ParameterSource
 
-    from dflash.stage2_train.cli import train_command
-
-    try:
-        context = train_command.make_context("train", list(flags), default_map={"cache": "."})
-    except click.exceptions.ClickException as error:
-        raise UserError(f"{where}: {error.format_message()}") from None
-    except click.exceptions.Exit:
-        raise UserError(f"{where}: give training flags, not --help") from None
+    context = parse_train_flags(flags, where)
     given = [f"--{name.replace('_', '-')}" for name in refused
              if context.get_parameter_source(name) == ParameterSource.COMMANDLINE]
     if given:
@@ -473,16 +478,10 @@ def compiles(flags: list[str], steps: int) -> bool:
 
     from dflash.stage2_train.fast_path import training_path
 
-    tokens = [part for flag in flags for part in (flag.split("=", 1) if flag.startswith("--") else [flag])]
-    given_compile, values = None, {}
-    for i, token in enumerate(tokens):
-        if token in ("--compile", "--no-compile"):
-            given_compile = token == "--compile"
-        elif token in ("--attention", "--architecture") and i + 1 < len(tokens):
-            values[token] = tokens[i + 1]
+    given = parse_train_flags(flags, "the warm-up").params
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return training_path(values.get("--attention", "auto"), given_compile, device, steps, 0, "--fsdp" in tokens,
-                         values.get("--architecture", "dflash"))[1]
+    return training_path(given["attention"], given["compile_"], device, steps, 0, given["fsdp"],
+                         given["architecture"])[1]
 
 
 def complete(bench: Bench, name: str) -> bool:

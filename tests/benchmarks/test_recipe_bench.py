@@ -263,12 +263,12 @@ def test_the_warm_up_trains_the_compiled_variants_on_their_path(tmp_path: Path, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     calls = tmp_path / "calls.jsonl"
     stub = ("import json, sys; open(sys.argv[1], 'a').write(json.dumps(sys.argv[2:]) + '\\n'); "
-            "sys.exit(3 if '--fail' in sys.argv else 0)")
+            "sys.exit(3 if '7e-7' in sys.argv else 0)")
     monkeypatch.setattr(module, "dflash_command", lambda *args: [sys.executable, "-c", stub, str(calls), *args])
     bench = module.Bench(tmp_path / "bench")
     bench.root.mkdir()
     variants = [("auto", ["--lr", "1e-3"], 5000), ("plain", ["--no-compile"], 5000), ("short", [], 10),
-                ("given", ["--compile"], 10), ("broken", ["--compile", "--fail"], 10)]
+                ("given", ["--compile"], 10), ("broken", ["--compile", "--lr", "7e-7"], 10)]
     warmed = module.warm_up(bench, tmp_path / "cache", variants, 3, 7)
     assert warmed == {"auto", "given"}
     commands = [json.loads(line) for line in calls.read_text().splitlines()]
