@@ -309,7 +309,8 @@ for stage in "$@"; do
             printf 'genab\tdone before: %s\n' "$(cat "$WORK/gen_flags")" | tee -a "$OUT/timings.tsv"
             continue
         fi
-        rm -f "$WORK/genab_rates.tsv" "$WORK/genab_kept.jsonl"
+        rm -f "$WORK/genab_kept.jsonl"
+        best_path="" best_rate=0 best_flags=""  # the faster so far (a path that generated nothing never is)
         for path in static continuous; do
             flags=$GEN_FLAGS
             [ "$path" = continuous ] && flags=$AB_FLAGS
@@ -327,18 +328,16 @@ for stage in "$@"; do
             tokens=$(grep '^generated' <<<"$counts" | cut -f3 | cut -d' ' -f1)
             printf 'genab\t%s\t%s new tokens\t%.1f s\t%s\n' "$path" "${tokens:-0}" "$seconds" "$flags" |
                 tee -a "$OUT/timings.tsv"
-            printf '%s\t%s\t%s\n' "$(python3 -c 'import sys; print(float(sys.argv[1] or 0) / float(sys.argv[2]))' \
-                "${tokens:-0}" "$seconds")" "$path" "$flags" >>"$WORK/genab_rates.tsv"
+            rate=$(python3 -c 'import sys; print(float(sys.argv[1] or 0) / float(sys.argv[2]))' "${tokens:-0}" "$seconds")
+            if python3 -c 'import sys; sys.exit(float(sys.argv[1]) <= float(sys.argv[2]))' "$rate" "$best_rate"; then
+                best_path=$path best_rate=$rate best_flags=$flags
+            fi
         done
-        best=$(sort -t$'\t' -k1,1 -g "$WORK/genab_rates.tsv" | tail -n 1)
-        rm -f "$WORK/genab_rates.tsv"
-        path=$(cut -f2 <<<"$best")
-        if python3 -c 'import sys; sys.exit(float(sys.argv[1] or 0) <= 0)' "$(cut -f1 <<<"$best")"; then
-            cut -f3 <<<"$best" >"$WORK/gen_flags"
-            printf 'genab\tthe faster: %s (%s new tokens/s)\n' "$path" "$(cut -f1 <<<"$best")" |
-                tee -a "$OUT/timings.tsv"
+        if [ -n "$best_path" ]; then
+            printf '%s\n' "$best_flags" >"$WORK/gen_flags"
+            printf 'genab\tthe faster: %s (%s new tokens/s)\n' "$best_path" "$best_rate" | tee -a "$OUT/timings.tsv"
             # Its answers are kept: they join the carried ones, and the first turns left to generate lose them.
-            cp "$WORK/genab_$path.jsonl" "$WORK/genab_kept.jsonl"
+            cp "$WORK/genab_$best_path.jsonl" "$WORK/genab_kept.jsonl"
             carried_and_turns
         else
             printf 'genab\tneither path generated anything: generate keeps GEN_FLAGS\n' | tee -a "$OUT/timings.tsv"
