@@ -250,7 +250,7 @@ def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> 
 @click.option("--decode", type=click.Choice(["auto", "dynamic", "static"]), default="auto", show_default=True,
               help="Decode path of dflash and plain decoding alike: static = static KV caches and fixed-shape "
                    "forwards (CUDA-graphed on GPUs); dynamic = transformers' DynamicCache; auto = static on CUDA, "
-                   "dynamic on CPU. Hybrid recurrent targets always decode dynamically.")
+                   "dynamic on CPU. Hybrid linear-attention targets (Qwen3-Next, Qwen3.5) decode statically too.")
 @click.option("--compile-target", is_flag=True,
               help="On the static path, compile the target's one-token step and DFlash's verify block with "
                    "torch.compile before capturing them: plain and speculative decoding ran 2.2x faster on an H100 "

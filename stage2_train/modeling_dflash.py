@@ -47,7 +47,11 @@ The fast path (``decode="static"``, the default on CUDA): the target runs over a
 position back; the drafter keeps its projected context in a preallocated buffer and runs a fixed-shape block
 forward over it (rows past the context masked); the verify block, the one-token step of plain decoding and the
 drafter block are captured once as CUDA graphs (`GraphedForward`) and replayed; the greedy acceptance runs on the
-device with one read-back per step. Hybrid recurrent targets keep the dynamic path (`static_unsupported`). Where
+device with one read-back per step. The linear-attention layers of hybrid targets (Qwen3-Next, Qwen3.5) keep their
+conv and recurrent states in transformers' fixed-size `LinearAttentionLayer`s: `verify` copies them aside, and a
+rollback inside the block copies them back and feeds the kept tokens again through a graphed forward of that width
+(captured before the timing by `prewarm_rollbacks`); other stateful layers keep the dynamic path
+(`static_unsupported`). Where
 graphs are captured, the drafter's block forward is compiled by torch.compile first (`COMPILE_DRAFTER`); the
 target's fixed-width forwards are compiled too only where `COMPILE_TARGET` asks for it (opt-in, not yet measured).
 
@@ -625,8 +629,10 @@ def _target_layer_types(model: nn.Module) -> list[str]:
 
 def static_unsupported(target: nn.Module) -> str | None:
     """Why the static path cannot run this target (None: it can): it needs transformers' `StaticLayer`, only full
-    and sliding-window attention layers (hybrid recurrent targets keep the dynamic path and its snapshot/restore),
-    SDPA or eager attention, and, with sliding layers, a model that takes per-layer-type masks (a dict)."""
+    attention, sliding-window attention and linear-attention layers (the recurrent layers of hybrid targets such as
+    Qwen3-Next and Qwen3.5, held in transformers' `LinearAttentionLayer`; other stateful layers keep the dynamic
+    path), SDPA or eager attention, and, with sliding or linear layers, a model that takes per-layer-type masks (a
+    dict)."""
     try:
         from transformers.cache_utils import Cache, StaticLayer
 
@@ -634,41 +640,60 @@ def static_unsupported(target: nn.Module) -> str | None:
     except (ImportError, TypeError) as error:
         return f"this transformers version builds no cache of StaticLayers ({error})"
     types = set(_target_layer_types(target))
-    other = types - {"full_attention", "sliding_attention"}
-    if other or getattr(target, "_is_stateful", False):
-        return f"layers of type {sorted(other) or 'stateful'} (hybrid recurrent targets keep the dynamic cache)"
+    other = types - {"full_attention", "sliding_attention", "linear_attention"}
+    if other or (getattr(target, "_is_stateful", False) and "linear_attention" not in types):
+        return f"layers of type {sorted(other) or 'stateful'} (only linear-attention recurrent layers decode statically)"
+    if "linear_attention" in types:
+        try:
+            from transformers.cache_utils import LinearAttentionLayer  # noqa: F401
+        except ImportError as error:
+            return f"this transformers version has no LinearAttentionLayer for the linear-attention layers ({error})"
     implementation = getattr(_text_config(target), "_attn_implementation", None) or "eager"
     if implementation not in ("sdpa", "eager"):
         return f"attention implementation {implementation!r} (the static path builds SDPA/eager masks)"
-    if "sliding_attention" in types:
+    if types & {"sliding_attention", "linear_attention"}:
         decoder = target.get_decoder() if hasattr(target, "get_decoder") else target
         try:
             source = inspect.getsource(type(decoder).forward)
         except (OSError, TypeError):
             source = ""
         if "attention_mask, dict" not in source:
-            return f"{type(decoder).__name__} takes no per-layer-type masks (needed for its sliding-window layers)"
+            return (f"{type(decoder).__name__} takes no per-layer-type masks (needed for its sliding-window or "
+                    "linear-attention layers)")
     return None
 
 
 def static_cache(target: nn.Module, capacity: int) -> Any:
     """A cache of full-length `StaticLayer`s (sliding-window layers included: their window is applied by the mask,
-    so a rollback never loses a position a ring buffer would have overwritten)."""
+    so a rollback never loses a position a ring buffer would have overwritten) and, for the linear-attention layers
+    of hybrid targets, transformers' `LinearAttentionLayer` (conv and recurrent states of fixed size, updated in
+    place: their addresses stay fixed for CUDA graphs once the first forward has allocated them)."""
     from transformers.cache_utils import Cache, StaticLayer
 
-    layers = [StaticLayer(max_cache_len=capacity) for _ in range(int(_text_config(target).num_hidden_layers))]
-    return Cache(layers=layers)
+    def layer(layer_type: str) -> Any:
+        if layer_type == "linear_attention":
+            from transformers.cache_utils import LinearAttentionLayer
+
+            return LinearAttentionLayer()
+        return StaticLayer(max_cache_len=capacity)
+
+    return Cache(layers=[layer(layer_type) for layer_type in _target_layer_types(target)])
 
 
 class GraphedForward:
     """A fixed-shape function of preallocated input buffers, run eagerly or replayed from a CUDA graph captured on
     its first call (after two warm-up runs on a side stream). Its outputs are the graph's static tensors: valid until
-    the next call. A capture that fails leaves the function eager (``failure`` says why)."""
+    the next call. A capture that fails leaves the function eager (``failure`` says why). ``prepare`` (optional) runs
+    before each of the first call's runs (the warm-ups, the replay after the capture, an eager retry), outside the
+    graph: it puts back state that a run advances (the recurrent states of a hybrid target), so that the first call
+    computes what one run would."""
 
-    def __init__(self, function: Callable[[], Any], graphs: bool, pool: Any = None) -> None:
+    def __init__(self, function: Callable[[], Any], graphs: bool, pool: Any = None,
+                 prepare: Callable[[], None] | None = None) -> None:
         self.function = function
         self.graphs = graphs
         self.pool = pool
+        self.prepare = prepare or (lambda: None)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Any = None
         self.failure: str | None = None
@@ -683,6 +708,7 @@ class GraphedForward:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
+                self.prepare()
                 self.function()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
@@ -692,8 +718,10 @@ class GraphedForward:
         except Exception as error:  # noqa: BLE001 - any failure inside the capture: the function runs eagerly
             self.graphs, self.failure = False, f"CUDA graph capture failed: {error}"
             torch.cuda.synchronize()
+            self.prepare()
             return self.function()
         self.graph, self.outputs = graph, outputs
+        self.prepare()
         graph.replay()
         return outputs
 
@@ -773,6 +801,14 @@ class TargetRunner:
         self.history: list[int] = []  # the token ids the cache holds, in order (for recomputation)
         self._snapshot: dict[int, Any] | None = None  # recurrent layers as they were before the block being verified
         self._block_start = 0  # the cache length when that snapshot was taken
+        # The static path's recurrent states (linear-attention layers of hybrid targets): the live tensors (fixed
+        # addresses once the first forward allocated them), their values before the block being verified, and their
+        # values before a forward's first call (which runs it three times to capture its graph).
+        self._recurrent = capacity is not None and any(has_recurrent_state(layer) for layer in self.cache.layers)
+        self._states: list[Tensor] = []
+        self._saved: list[Tensor] = []
+        self._before_capture: list[Tensor] = []
+        self._block_width = 0  # the width of the block being verified (0: none since the last rollback)
         self.static_unsupported: str | None = None  # why a dynamic runner was made where static was asked for
         # the fixed-width forwards are compiled (`COMPILE_TARGET`) while none failed to (`compile_failure`)
         self._compile = capacity is not None and COMPILE_TARGET
@@ -814,6 +850,7 @@ class TargetRunner:
         if self.layer_ids and self._outputs is None:
             raise RuntimeError("TargetRunner.forward with layer_ids needs `with runner.hooked():`")
         if self.capacity is not None:
+            self._block_width = 0  # a forward that `rollback` may cut is a `verify`
             return self._static_forward(ids, start, last_only)
         if cache_length(self.cache) != start:
             raise RuntimeError(f"target cache holds {cache_length(self.cache)} positions, expected {start}")
@@ -845,8 +882,29 @@ class TargetRunner:
     # -- the static path ---------------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Empty the static cache for a new prompt (the buffers stay; what they hold past `length` is never read)."""
+        """Empty the static cache for a new prompt (the buffers stay; what they hold past `length` is never read;
+        recurrent states are zeroed, which is what a first forward without state computes)."""
         self.length = 0
+        self._block_width = 0
+        if self._states:
+            torch._foreach_zero_(self._states)
+
+    def _allocate_states(self) -> None:
+        """Let transformers allocate the recurrent layers' states (one eager one-token forward at position 0), then
+        zero them. From here on every forward takes its model's with-state branch and updates them in place, so
+        one captured graph serves every prompt."""
+        buffer = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self._static_step(buffer, False)
+        if self._outputs is not None:
+            self._outputs.clear()
+        self._states = [state for layer in self.cache.layers if has_recurrent_state(layer)
+                        for states in (layer.conv_states, layer.recurrent_states) for state in states.values()
+                        if isinstance(state, Tensor)]
+        if not self._states:
+            raise RuntimeError("the linear-attention layers allocated no state in their first forward")
+        self._saved = [state.clone() for state in self._states]
+        self._before_capture = [state.clone() for state in self._states]
+        torch._foreach_zero_(self._states)
 
     def prewarm(self, widths: Iterable[int]) -> None:
         """Capture the CUDA graphs of these forward widths now (an untimed warm-up), each run once on dummy tokens
@@ -861,6 +919,13 @@ class TargetRunner:
                 self.reset()
                 self._static_forward([0] * width, 0, last_only=False)
         self.reset()
+
+    def prewarm_rollbacks(self, block_width: int) -> None:
+        """On a hybrid target's graphed static path: capture now the forwards that `rollback` feeds again after a
+        verify block of ``block_width`` (1 to block_width - 1 kept tokens), so that no capture falls inside a timed
+        generation. Nothing on other targets (their rollback runs nothing)."""
+        if self._recurrent:
+            self.prewarm(range(1, block_width))
 
     @property
     def graph_failure(self) -> str | None:
@@ -883,6 +948,8 @@ class TargetRunner:
         width = int(ids.numel()) if isinstance(ids, Tensor) else len(ids)
         if start + width > self.capacity:
             raise RuntimeError(f"the static cache holds {self.capacity} positions; {start + width} needed")
+        if self._recurrent and not self._states:
+            self._allocate_states()
         buffer = self._inputs.get(width)
         if buffer is None:
             buffer = self._inputs[width] = torch.zeros((1, width), dtype=torch.long, device=self.device)
@@ -899,7 +966,11 @@ class TargetRunner:
         forward = self._forwards.get((width, last_row))
         if forward is None:
             step = (lambda: self._static_step(buffer, True)) if last_row else (lambda: self._fixed_step(buffer))
-            forward = GraphedForward(step, graphed, self._pool)
+            prepare = None
+            if graphed and self._states:  # its first call runs the step three times: each from the same states
+                torch._foreach_copy_(self._before_capture, self._states)
+                prepare = lambda: torch._foreach_copy_(self._states, self._before_capture)  # noqa: E731
+            forward = GraphedForward(step, graphed, self._pool, prepare)
             if graphed:
                 self._forwards[(width, last_row)] = forward
         logits, features = forward()
@@ -914,15 +985,17 @@ class TargetRunner:
         keys = torch.arange(int(self.capacity or 0), device=self.device)
         causal = keys[None, :] <= positions[:, None]
         masks = {"full_attention": causal[None, None]}
-        sliding = "sliding_attention" in _target_layer_types(self.target)
-        if sliding:
+        types = set(_target_layer_types(self.target))
+        if "sliding_attention" in types:
             in_window = (positions[:, None] - keys[None, :]) < int(config.sliding_window)
             masks["sliding_attention"] = (causal & in_window)[None, None]
         if (getattr(config, "_attn_implementation", None) or "eager") == "eager":
             dtype = next(self.target.parameters()).dtype
             masks = {name: torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill(
                 ~mask, torch.finfo(dtype).min) for name, mask in masks.items()}
-        return masks if sliding else masks["full_attention"]
+        if "linear_attention" in types:
+            masks["linear_attention"] = None  # no padding: what transformers builds for one unpadded sequence
+        return masks if len(masks) > 1 else masks["full_attention"]
 
     @property
     def compiled(self) -> bool:
@@ -983,9 +1056,14 @@ class TargetRunner:
     def verify(self, ids: Sequence[int] | Tensor, start: int) -> tuple[Tensor, Tensor | None]:
         """`forward` of a block that `rollback` may later cut: first snapshots the layers `crop` cannot rewind
         (recurrent states of linear-attention layers; small and of fixed size, unlike a KV cache). The static path
-        needs no snapshot: its rollback only moves the write position."""
+        needs no snapshot of its KV layers (its rollback moves the write position back); its recurrent states are
+        copied into buffers of their own (device copies; no allocation)."""
         if self.capacity is not None:
-            return self.forward(ids, start)
+            if self._recurrent and self._states:
+                torch._foreach_copy_(self._saved, self._states)
+            logits, features = self.forward(ids, start)
+            self._block_width = int(ids.numel()) if isinstance(ids, Tensor) else len(ids)
+            return logits, features
         layers = getattr(self.cache, "layers", None) or []
         recurrent = {i: layer for i, layer in enumerate(layers) if has_recurrent_state(layer)}
         self._snapshot = {i: copy.deepcopy(layer) for i, layer in recurrent.items()} if recurrent else None
@@ -998,10 +1076,23 @@ class TargetRunner:
         KV layers (full and, with past recording, sliding-window) are cropped. Recurrent layers are restored from the
         snapshot taken by `verify` (the state before the block) and the kept part of the block is fed again. A cache
         whose `crop` refuses is rebuilt by feeding the kept tokens from scratch. The static cache only moves its
-        write position back."""
+        write position back; its recurrent states, if any, are copied back from before the block and the kept part of
+        the block is fed again (a fixed-width forward per kept length, graphed like the others)."""
         if self.capacity is not None:
             if keep > self.length:
                 raise ValueError(f"cannot roll a cache of {self.length} positions back to {keep}")
+            width = self._block_width
+            if self._recurrent and keep < self.length:
+                start = self.length - width
+                if not width or keep < start:
+                    raise ValueError(f"cannot roll back to {keep}: the recurrent states before position {keep} "
+                                     "were not kept (only those before the last verified block)")
+                self._block_width = 0
+                torch._foreach_copy_(self._states, self._saved)
+                self.length = start
+                if keep > start:
+                    self._static_forward(self._inputs[width][:, :keep - start], start, last_only=False)
+            self._block_width = 0
             self.length = keep
             return
         current = cache_length(self.cache)
@@ -1440,6 +1531,7 @@ def speculative_generate(
     tokens: list[int] = []
     accepted: list[int] = []
     with runner.hooked():
+        runner.prewarm_rollbacks(draft.block_size)
         synchronize(runner.device)
         started = time.perf_counter()
         logits, features = runner.forward(prompt, 0, last_only=True)

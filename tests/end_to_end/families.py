@@ -50,10 +50,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def family_config(name: str, vocab_size: int, special_ids: dict[str, int | None]) -> Any:
+# Qwen3-Next with dense MLPs in every layer (a hybrid like Qwen3.5's dense models): its forwards have no expert
+# routing, whose host-side index lists (`nonzero`) no CUDA graph can capture, so the graphed decode path runs whole.
+DENSE_HYBRID: dict[str, Any] = {"mlp_only_layers": list(range(LAYERS))}
+
+
+def family_config(name: str, vocab_size: int, special_ids: dict[str, int | None],
+                  extra: dict[str, Any] | None = None) -> Any:
     from transformers import AutoConfig
 
-    overrides = {**COMMON, **FAMILIES[name], "vocab_size": vocab_size, **special_ids}
+    overrides = {**COMMON, **FAMILIES[name], "vocab_size": vocab_size, **special_ids, **(extra or {})}
     return AutoConfig.for_model(name, **overrides)
 
 
@@ -70,8 +76,9 @@ def decode_families(*names: str) -> list[Any]:
             for name in names]
 
 
-def build_family(name: str, tokenizer_dir: Path, out: Path, seed: int = 0) -> Path:
-    """Save a random-weight `name` causal LM with the tokenizer of `tokenizer_dir` into `out` (once)."""
+def build_family(name: str, tokenizer_dir: Path, out: Path, seed: int = 0, extra: dict[str, Any] | None = None) -> Path:
+    """Save a random-weight `name` causal LM (its config changed by ``extra``, e.g. DENSE_HYBRID) with the tokenizer
+    of `tokenizer_dir` into `out` (once)."""
     if (out / "config.json").is_file():
         return out
     import torch
@@ -80,7 +87,7 @@ def build_family(name: str, tokenizer_dir: Path, out: Path, seed: int = 0) -> Pa
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id}
-    config = family_config(name, len(tokenizer), special)
+    config = family_config(name, len(tokenizer), special, extra)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init at std 0.02 gives near-uniform logits; wider weights make greedy decoding decisive.

@@ -1,6 +1,6 @@
 """The fast decode path (static caches, fixed-shape forwards; CUDA graphs on GPUs) against the dynamic one, on the
 tiny targets of real families (float32, CPU): llama, gemma3_text (sliding window 8, shorter than the prompts),
-qwen3_next (hybrid: it keeps the dynamic path), gpt_oss (eager attention with sinks: additive masks, sliding layers)
+qwen3_next (hybrid: linear-attention layers whose recurrent states are copied back and fed again on rollback), gpt_oss (eager attention with sinks: additive masks, sliding layers)
 and deepseek_v3 (MLA: keys and values of different head sizes), with a DFlash and a DFlash 2 drafter. References: transformers'
 DynamicCache path, plain greedy decoding, and a cache-free forward of the kept prefix. GPU-only parts (graph
 capture) skip without CUDA; `benchmarks/bench_eval_decode.py` covers them on the GPU machine."""
@@ -19,7 +19,7 @@ import torch
 from dflash.stage2_train import modeling_dflash as loop
 from dflash.stage2_train import speculative as spec
 from dflash.stage2_train.draft_config import config_from_target
-from tests.end_to_end.families import build_family, decode_families, load_families
+from tests.end_to_end.families import DENSE_HYBRID, build_family, decode_families, load_families
 from tests.stage2_train.test_dflash2 import randomise_added_parts
 
 FAMILIES = ["llama", "gemma3_text", "qwen3_next", "gpt_oss", "deepseek_v3"]
@@ -53,16 +53,19 @@ def test_decode_modes_resolve_by_device() -> None:
         loop.resolve_decode("fast", cpu)
 
 
-def test_static_support_by_family(targets: dict) -> None:
-    assert loop.static_unsupported(targets["llama"]) is None
-    assert loop.static_unsupported(targets["gemma3_text"]) is None
-    assert "linear_attention" in loop.static_unsupported(targets["qwen3_next"])
+def test_static_support_by_family(targets: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    for family in FAMILIES:
+        assert loop.static_unsupported(targets[family]) is None, family
+    hybrid = targets["qwen3_next"]
+    monkeypatch.setattr(hybrid.config, "layer_types", ["linear_attention", "mamba", "full_attention", "mamba"])
+    assert "mamba" in loop.static_unsupported(hybrid)  # recurrent layers other than transformers' linear attention
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
 def test_static_rollback_equals_a_fresh_forward_of_the_kept_prefix(targets: dict, family: str) -> None:
-    """Verify blocks of 6 at varying kept lengths through one static cache (stale positions stay in the buffer),
-    then a forward of 3: its logits and captured features equal a cache-free forward of the same tokens."""
+    """Verify blocks of 6 at varying kept lengths through one static cache (stale positions stay in the buffer;
+    qwen3_next's recurrent states are copied back and the kept part fed again), then a forward of 3: its logits and
+    captured features equal a cache-free forward of the same tokens."""
     target = targets[family]
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(100, 5000, (60,), generator=generator).tolist()
@@ -99,7 +102,7 @@ def test_static_path_tokens_equal_the_dynamic_path_and_plain_decoding(targets: d
         assert results["static"].tokens == results["dynamic"].tokens == plain["dynamic"].tokens
         assert plain["static"].tokens == plain["dynamic"].tokens
         assert results["static"].accepted == results["dynamic"].accepted
-        expected = "dynamic (static unsupported" if family == "qwen3_next" else "static"
+        expected = "static"
         assert results["static"].decode.startswith(expected) and plain["static"].decode.startswith(expected)
         assert results["dynamic"].decode == "dynamic"
 
@@ -117,7 +120,27 @@ def test_prompt_lookup_equals_plain_decoding_on_both_paths(targets: dict, family
         assert len(lookup.tokens) == 1 + sum(a + 1 for a in lookup.accepted)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_hybrid_static_rollback_reaches_back_to_the_last_block_only(targets: dict) -> None:
+    """A hybrid target's static runner keeps the recurrent states of before the last verified block only: a rollback
+    further back, or one after a plain forward, says so; a new prompt (reset) starts from zero states, so the same
+    prompt gives the same logits twice."""
+    runner = loop.TargetRunner(targets["qwen3_next"], (), capacity=64)
+    tokens = list(range(300, 340))
+    with torch.inference_mode():
+        first, _ = runner.forward(tokens[:20], 0, last_only=True)
+        runner.verify(tokens[20:26], 20)
+        with pytest.raises(ValueError, match="recurrent states"):
+            runner.rollback(19)
+        runner.rollback(23)
+        runner.forward(tokens[23:25], 23)
+        with pytest.raises(ValueError, match="recurrent states"):
+            runner.rollback(24)
+        runner.reset()
+        again, _ = runner.forward(tokens[:20], 0, last_only=True)
+    torch.testing.assert_close(again, first)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
 def test_partly_accepted_blocks_stay_lossless_on_the_static_path(targets: dict, family: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Drafts = the target's own greedy continuation with one wrong token at a varying offset (or none), so blocks
@@ -187,13 +210,26 @@ def no_host_reads() -> Iterator[None]:
             setattr(torch.Tensor, name, method)
 
 
+@pytest.fixture(scope="module")
+def dense_hybrid(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    """qwen3_next with dense MLPs (DENSE_HYBRID): linear-attention layers without expert routing."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.shared.target_loading import resolve_target
+
+    folder = build_family("qwen3_next", Path(resolve_target(None).load_path), tmp_path_factory.mktemp("dense"),
+                          extra=DENSE_HYBRID)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss"])
-def test_captured_forwards_read_nothing_back(targets: dict, family: str, architecture: str,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss", "dense_hybrid"])
+def test_captured_forwards_read_nothing_back(targets: dict, dense_hybrid: torch.nn.Module, family: str,
+                                             architecture: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The functions the GPU path captures (the target's fixed-width step, the drafter's block with its greedy
     tokens) run with every host read of a tensor value refused: on CUDA they contain no sync, so they can be
-    captured. Checked on CPU by running the eager static path under that refusal."""
+    captured. Checked on CPU by running the eager static path under that refusal; the hybrid target's steps include
+    the forwards a rollback feeds again."""
     step, block = loop.TargetRunner._static_step, loop.DraftRunner._static_block
     calls = {"target": 0, "drafter": 0}
 
@@ -211,7 +247,7 @@ def test_captured_forwards_read_nothing_back(targets: dict, family: str, archite
 
     monkeypatch.setattr(loop.TargetRunner, "_static_step", guarded_step)
     monkeypatch.setattr(loop.DraftRunner, "_static_block", guarded_block)
-    target = targets[family]
+    target = dense_hybrid if family == "dense_hybrid" else targets[family]
     draft = drafter(target, architecture)
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     loop.speculative_generate(target, draft, embed, head, list(range(200, 230)), LAYER_IDS, 12, [], decode="static")
@@ -236,6 +272,31 @@ def test_cuda_graph_path_equals_the_dynamic_path(architecture: str, family: str,
     for prompt in (list(range(200, 230)), list(range(900, 911)), list(range(50, 90))):
         graphed = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="auto")
         assert graphed.decode == "static+cuda-graphs, compiled drafter"  # COMPILE_DRAFTER's default with graphs
+        eager = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="dynamic")
+        assert graphed.tokens == eager.tokens and graphed.accepted == eager.accepted
+        plain = spec.greedy_generate(target, prompt, 24, [2], decode="auto")
+        assert plain.decode == "static+cuda-graphs" and plain.tokens == graphed.tokens
+
+
+@pytest.mark.gpu
+def test_hybrid_targets_decode_through_cuda_graphs_as_the_dynamic_path(tmp_path: Path) -> None:
+    """On a GPU (float32): a hybrid linear-attention target (dense qwen3_next) decodes on the graphed static path,
+    its recurrent states copied back and the kept tokens fed again through graphs captured before the timing
+    (`prewarm_rollbacks`), with the dynamic path's tokens and acceptance; plain decoding too."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.shared.target_loading import resolve_target
+
+    folder = build_family("qwen3_next", Path(resolve_target(None).load_path), tmp_path / "dense", extra=DENSE_HYBRID)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    draft = drafter(target, "dflash").cuda()
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    for prompt in (list(range(200, 230)), list(range(900, 911)), list(range(50, 90))):
+        graphed = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="auto")
+        assert graphed.decode.startswith("static+cuda-graphs"), graphed.decode
+        runner = target.__dict__["_dflash_static_runners"][(tuple(LAYER_IDS), True, "cuda:0", torch.float32,
+                                                             loop.COMPILE_TARGET)]
+        assert {(width, False) for width in range(1, BLOCK + 1)} <= set(runner._forwards)
         eager = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="dynamic")
         assert graphed.tokens == eager.tokens and graphed.accepted == eager.accepted
         plain = spec.greedy_generate(target, prompt, 24, [2], decode="auto")
