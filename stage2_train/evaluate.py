@@ -736,7 +736,7 @@ def run_eval(
 
     log.info("evaluating %s with the target %s on %s (%d prompts): warming up", draft_dir, resolved.display_name,
              device, sum(len(prompts) for prompts in prompts_by_dataset.values()))
-    decode_path = dflash(first, 4, []).decode  # what --decode resolved to (e.g. hybrid targets stay dynamic)
+    decode_path = dflash(first, 4, []).decode  # what --decode resolved to (e.g. a target it cannot run keeps the dynamic one)
     plain_decode_path = None
     if baselines:
         plain_decode_path = greedy_generate(target, first, 4, [], decode=decode, capacity=capacity).decode

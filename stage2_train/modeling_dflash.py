@@ -627,6 +627,13 @@ def _target_layer_types(model: nn.Module) -> list[str]:
     return ["sliding_attention" if sliding else "full_attention"] * int(config.num_hidden_layers)
 
 
+# The hybrid linear-attention families whose recurrent states the static path keeps (one conv and one recurrent
+# state per layer, gated delta-net: tested against the dynamic path and a cache-free forward). Other model types with
+# linear-attention layers (Bamba, Jamba, MiniMax, ...) keep the dynamic path: some hold several states per layer, and
+# transformers' cached multi-token forward of some (Jamba) does not match a cache-free one on either path.
+STATIC_HYBRID_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+
+
 def static_unsupported(target: nn.Module) -> str | None:
     """Why the static path cannot run this target (None: it can): it needs transformers' `StaticLayer`, only full
     attention, sliding-window attention and linear-attention layers (the recurrent layers of hybrid targets such as
@@ -644,6 +651,10 @@ def static_unsupported(target: nn.Module) -> str | None:
     if other or (getattr(target, "_is_stateful", False) and "linear_attention" not in types):
         return f"layers of type {sorted(other) or 'stateful'} (only linear-attention recurrent layers decode statically)"
     if "linear_attention" in types:
+        model_type = getattr(_text_config(target), "model_type", None)
+        if model_type not in STATIC_HYBRID_MODEL_TYPES:
+            return (f"hybrid model type {model_type!r} (the static path's recurrent states are tested on "
+                    f"{', '.join(sorted(STATIC_HYBRID_MODEL_TYPES))})")
         try:
             from transformers.cache_utils import LinearAttentionLayer  # noqa: F401
         except ImportError as error:
@@ -967,12 +978,13 @@ class TargetRunner:
         if forward is None:
             step = (lambda: self._static_step(buffer, True)) if last_row else (lambda: self._fixed_step(buffer))
             prepare = None
-            if graphed and self._states:  # its first call runs the step three times: each from the same states
-                torch._foreach_copy_(self._before_capture, self._states)
+            if graphed and self._states:  # a first call runs the step three times: each from the same states
                 prepare = lambda: torch._foreach_copy_(self._states, self._before_capture)  # noqa: E731
             forward = GraphedForward(step, graphed, self._pool, prepare)
             if graphed:
                 self._forwards[(width, last_row)] = forward
+        if forward.graphs and forward.graph is None and self._states:  # (again after a first call that raised)
+            torch._foreach_copy_(self._before_capture, self._states)
         logits, features = forward()
         self.length = start + width
         return logits, features
@@ -1059,7 +1071,9 @@ class TargetRunner:
         needs no snapshot of its KV layers (its rollback moves the write position back); its recurrent states are
         copied into buffers of their own (device copies; no allocation)."""
         if self.capacity is not None:
-            if self._recurrent and self._states:
+            if self._recurrent:
+                if not self._states:
+                    self._allocate_states()
                 torch._foreach_copy_(self._saved, self._states)
             logits, features = self.forward(ids, start)
             self._block_width = int(ids.numel()) if isinstance(ids, Tensor) else len(ids)

@@ -27,14 +27,16 @@ WINDOW = 8
 # 5.17 their static and dynamic decode paths fail); the GPU machines carry 5.17, where the GPU tests run llama only.
 SLIDING_WINDOW_FAMILIES = ("gemma3_text", "gpt_oss")
 
+LINEAR_ATTENTION: dict[str, Any] = {
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]}
+
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"sliding_window": None},
     "qwen3": {},
     "qwen3_moe": {**MOE, "num_experts": 4},
-    "qwen3_next": {**MOE, "num_experts": 4, "shared_expert_intermediate_size": 32, "linear_num_key_heads": 2,
-                   "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-                   "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]},
+    "qwen3_next": {**MOE, "num_experts": 4, "shared_expert_intermediate_size": 32, **LINEAR_ATTENTION},
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64, "sliding_window": WINDOW,
                 "layer_types": ["sliding_attention", "full_attention"] * 2,
                 "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -50,16 +52,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-# Qwen3-Next with dense MLPs in every layer (a hybrid like Qwen3.5's dense models): its forwards have no expert
-# routing, whose host-side index lists (`nonzero`) no CUDA graph can capture, so the graphed decode path runs whole.
-DENSE_HYBRID: dict[str, Any] = {"mlp_only_layers": list(range(LAYERS))}
+# Hybrid targets for the decode tests only (not in FAMILIES: no end-to-end run), as (model type, config overrides):
+# Qwen3-Next with dense MLPs in every layer, whose forwards have no expert routing (its host-side index lists,
+# `nonzero`, no CUDA graph can capture), so the graphed decode path runs whole; and Qwen3.5's text model.
+DECODE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "dense_hybrid": ("qwen3_next", {"mlp_only_layers": list(range(LAYERS))}),
+    "qwen3_5_text": ("qwen3_5_text", LINEAR_ATTENTION),
+}
 
 
 def family_config(name: str, vocab_size: int, special_ids: dict[str, int | None],
                   extra: dict[str, Any] | None = None) -> Any:
     from transformers import AutoConfig
 
-    overrides = {**COMMON, **FAMILIES[name], "vocab_size": vocab_size, **special_ids, **(extra or {})}
+    overrides = {**COMMON, **FAMILIES.get(name, {}), "vocab_size": vocab_size, **special_ids, **(extra or {})}
     return AutoConfig.for_model(name, **overrides)
 
 
@@ -77,8 +83,8 @@ def decode_families(*names: str) -> list[Any]:
 
 
 def build_family(name: str, tokenizer_dir: Path, out: Path, seed: int = 0, extra: dict[str, Any] | None = None) -> Path:
-    """Save a random-weight `name` causal LM (its config changed by ``extra``, e.g. DENSE_HYBRID) with the tokenizer
-    of `tokenizer_dir` into `out` (once)."""
+    """Save a random-weight `name` causal LM (its config changed by ``extra``) with the tokenizer of `tokenizer_dir`
+    into `out` (once)."""
     if (out / "config.json").is_file():
         return out
     import torch
@@ -103,8 +109,8 @@ def build_family(name: str, tokenizer_dir: Path, out: Path, seed: int = 0, extra
 
 
 def load_families(names: list[str], root: Path) -> dict:
-    """{name: the tiny float32 target of each family named}, built under `root` with the embedded tokenizer (one
-    torch thread: the tests compare these targets' outputs bit for bit)."""
+    """{name: the tiny float32 target of each family (or DECODE_VARIANTS entry) named}, built under `root` with the
+    embedded tokenizer (one torch thread: the tests compare these targets' outputs bit for bit)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -112,5 +118,9 @@ def load_families(names: list[str], root: Path) -> dict:
 
     torch.set_num_threads(1)
     tokenizer = Path(resolve_target(None).load_path)
-    return {name: AutoModelForCausalLM.from_pretrained(build_family(name, tokenizer, root / name),
-                                                       dtype=torch.float32).eval() for name in names}
+
+    def build(name: str) -> Path:
+        model_type, extra = DECODE_VARIANTS.get(name, (name, {}))
+        return build_family(model_type, tokenizer, root / name, extra=extra)
+
+    return {name: AutoModelForCausalLM.from_pretrained(build(name), dtype=torch.float32).eval() for name in names}

@@ -19,17 +19,18 @@ import torch
 from dflash.stage2_train import modeling_dflash as loop
 from dflash.stage2_train import speculative as spec
 from dflash.stage2_train.draft_config import config_from_target
-from tests.end_to_end.families import DENSE_HYBRID, build_family, decode_families, load_families
+from tests.end_to_end.families import DECODE_VARIANTS, build_family, decode_families, load_families
 from tests.stage2_train.test_dflash2 import randomise_added_parts
 
-FAMILIES = ["llama", "gemma3_text", "qwen3_next", "gpt_oss", "deepseek_v3"]
+FAMILIES = ["llama", "gemma3_text", "qwen3_next", "qwen3_5_text", "gpt_oss", "deepseek_v3"]
+HYBRIDS = ["qwen3_next", "qwen3_5_text", "dense_hybrid"]
 BLOCK = 4
 LAYER_IDS = [1, 2]
 
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return load_families(FAMILIES, tmp_path_factory.mktemp("families"))
+    return load_families([*FAMILIES, "dense_hybrid"], tmp_path_factory.mktemp("families"))
 
 
 def drafter(target: torch.nn.Module, architecture: str) -> loop.DFlashDraftModel:
@@ -57,11 +58,14 @@ def test_static_support_by_family(targets: dict, monkeypatch: pytest.MonkeyPatch
     for family in FAMILIES:
         assert loop.static_unsupported(targets[family]) is None, family
     hybrid = targets["qwen3_next"]
+    monkeypatch.setattr(hybrid.config, "model_type", "jamba")  # linear attention of a family not tested statically
+    assert "'jamba'" in loop.static_unsupported(hybrid)
+    monkeypatch.setattr(hybrid.config, "model_type", "qwen3_next")
     monkeypatch.setattr(hybrid.config, "layer_types", ["linear_attention", "mamba", "full_attention", "mamba"])
     assert "mamba" in loop.static_unsupported(hybrid)  # recurrent layers other than transformers' linear attention
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", *HYBRIDS])
 def test_static_rollback_equals_a_fresh_forward_of_the_kept_prefix(targets: dict, family: str) -> None:
     """Verify blocks of 6 at varying kept lengths through one static cache (stale positions stay in the buffer;
     qwen3_next's recurrent states are copied back and the kept part fed again), then a forward of 3: its logits and
@@ -123,9 +127,17 @@ def test_prompt_lookup_equals_plain_decoding_on_both_paths(targets: dict, family
 def test_hybrid_static_rollback_reaches_back_to_the_last_block_only(targets: dict) -> None:
     """A hybrid target's static runner keeps the recurrent states of before the last verified block only: a rollback
     further back, or one after a plain forward, says so; a new prompt (reset) starts from zero states, so the same
-    prompt gives the same logits twice."""
-    runner = loop.TargetRunner(targets["qwen3_next"], (), capacity=64)
+    prompt gives the same logits twice; a verify as a fresh runner's first forward rolls back to zero states."""
+    target = targets["qwen3_5_text"]
     tokens = list(range(300, 340))
+    runner = loop.TargetRunner(target, (), capacity=64)
+    with torch.inference_mode():
+        runner.verify(tokens[:6], 0)
+        runner.rollback(3)
+        logits, _ = runner.forward(tokens[3:5], 3)
+        fresh = target(input_ids=torch.tensor([tokens[:5]])).logits[0, 3:].float()
+    torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
+    runner = loop.TargetRunner(target, (), capacity=64)
     with torch.inference_mode():
         first, _ = runner.forward(tokens[:20], 0, last_only=True)
         runner.verify(tokens[20:26], 20)
@@ -140,7 +152,7 @@ def test_hybrid_static_rollback_reaches_back_to_the_last_block_only(targets: dic
     torch.testing.assert_close(again, first)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", *HYBRIDS])
 def test_partly_accepted_blocks_stay_lossless_on_the_static_path(targets: dict, family: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Drafts = the target's own greedy continuation with one wrong token at a varying offset (or none), so blocks
@@ -148,27 +160,72 @@ def test_partly_accepted_blocks_stay_lossless_on_the_static_path(targets: dict, 
     decoding, tau follows the planted errors, and the static drafter's buffered context equals the dynamic one's."""
     target = targets[family]
     draft = drafter(target, "dflash")
-    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     prompt = list(range(300, 320))
     reference = spec.greedy_generate(target, prompt, 40 + BLOCK, []).tokens
-    wrong = [2, None, 1, 3, 2, None]
+    result, planted = decode_with_planted_drafts(target, draft, prompt, reference, "static", monkeypatch)
+    assert result.tokens == reference[:40]
+    assert result.accepted[:-1] == planted[:-1]
+
+
+PLANTED_ERRORS = [2, None, 1, 3, 2, None]  # per step: the first wrong draft (1..BLOCK - 1), or None (all right)
+
+
+def decode_with_planted_drafts(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompt: list[int],
+                               reference: list[int], decode: str,
+                               monkeypatch: pytest.MonkeyPatch) -> tuple[loop.SpecResult, list[int]]:
+    """Speculative decoding of 40 tokens whose drafts are the target's own greedy continuation (``reference``) with
+    one wrong token at PLANTED_ERRORS' offsets (the drafter still runs each step); returns the result and the
+    accepted count each step should have."""
     steps = [0]
     original = loop.DraftRunner.draft_greedy
 
     def oracle(self: loop.DraftRunner, bonus: int, start: int) -> torch.Tensor:
-        original(self, bonus, start)
-        offset = wrong[steps[0] % len(wrong)]
+        proposed = original(self, bonus, start)
+        offset = PLANTED_ERRORS[steps[0] % len(PLANTED_ERRORS)]
         steps[0] += 1
         drafts = [reference[start - len(prompt) + k] for k in range(1, BLOCK)]
         if offset is not None:
             drafts[offset - 1] += 1
-        return torch.tensor(drafts)
+        return torch.tensor(drafts, device=proposed.device)
 
     monkeypatch.setattr(loop.DraftRunner, "draft_greedy", oracle)
-    result = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 40, [], decode="static")
-    assert result.tokens == reference[:40]
-    planted = [(wrong[i % len(wrong)] or BLOCK) - 1 for i in range(len(result.accepted))]
-    assert result.accepted[:-1] == planted[:-1]
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    result = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 40, [], decode=decode)
+    monkeypatch.undo()
+    planted = [(PLANTED_ERRORS[i % len(PLANTED_ERRORS)] or BLOCK) - 1 for i in range(len(result.accepted))]
+    return result, planted
+
+
+@pytest.mark.parametrize("family", ["llama", *HYBRIDS])
+def test_prompt_lookup_stays_lossless_when_its_proposals_are_accepted_in_part(targets: dict, family: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt lookup with proposals of varying lengths (verify widths 2 to 8) taken from the target's own greedy
+    continuation, with a wrong token planted at varying offsets: on both paths its tokens equal plain decoding and
+    each step accepts what was planted, so hybrid targets roll back to several kept lengths inside a block."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    target = targets[family]
+    prompt = list(range(300, 320))
+    reference = spec.greedy_generate(target, prompt, 60, [], decode="dynamic").tokens
+    plans = [(5, 2), (3, None), (7, 0), (1, None), (4, 3), (6, 5)]  # (proposed tokens, index of the wrong one)
+
+    def oracle(_self: object, input_ids: torch.Tensor) -> tuple[torch.Tensor, None]:
+        sequence = input_ids[0].tolist()
+        length, wrong = plans[calls[0] % len(plans)]
+        calls[0] += 1
+        proposal = reference[len(sequence) - len(prompt):][:length]
+        if wrong is not None:
+            proposal[wrong] = (proposal[wrong] + 1) % 5000
+        return torch.tensor([sequence + proposal]), None
+
+    monkeypatch.setattr(PromptLookupCandidateGenerator, "get_candidates", oracle)
+    for decode in ("dynamic", "static"):
+        calls = [0]
+        lookup = spec.prompt_lookup_generate(target, prompt, 40, [], decode=decode)
+        assert lookup.tokens == reference[:40], decode
+        planned = [plans[i % len(plans)][1] for i in range(len(lookup.accepted))]
+        expected = [plans[i % len(plans)][0] if wrong is None else wrong for i, wrong in enumerate(planned)]
+        assert lookup.accepted[:-1] == expected[:-1], decode
 
 
 def test_static_drafter_context_equals_the_dynamic_one(targets: dict) -> None:
@@ -210,22 +267,10 @@ def no_host_reads() -> Iterator[None]:
             setattr(torch.Tensor, name, method)
 
 
-@pytest.fixture(scope="module")
-def dense_hybrid(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
-    """qwen3_next with dense MLPs (DENSE_HYBRID): linear-attention layers without expert routing."""
-    from transformers import AutoModelForCausalLM
-
-    from dflash.shared.target_loading import resolve_target
-
-    folder = build_family("qwen3_next", Path(resolve_target(None).load_path), tmp_path_factory.mktemp("dense"),
-                          extra=DENSE_HYBRID)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss", "dense_hybrid"])
-def test_captured_forwards_read_nothing_back(targets: dict, dense_hybrid: torch.nn.Module, family: str,
-                                             architecture: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss", "qwen3_5_text", "dense_hybrid"])
+def test_captured_forwards_read_nothing_back(targets: dict, family: str, architecture: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The functions the GPU path captures (the target's fixed-width step, the drafter's block with its greedy
     tokens) run with every host read of a tensor value refused: on CUDA they contain no sync, so they can be
     captured. Checked on CPU by running the eager static path under that refusal; the hybrid target's steps include
@@ -247,7 +292,7 @@ def test_captured_forwards_read_nothing_back(targets: dict, dense_hybrid: torch.
 
     monkeypatch.setattr(loop.TargetRunner, "_static_step", guarded_step)
     monkeypatch.setattr(loop.DraftRunner, "_static_block", guarded_block)
-    target = dense_hybrid if family == "dense_hybrid" else targets[family]
+    target = targets[family]
     draft = drafter(target, architecture)
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     loop.speculative_generate(target, draft, embed, head, list(range(200, 230)), LAYER_IDS, 12, [], decode="static")
@@ -287,7 +332,8 @@ def test_hybrid_targets_decode_through_cuda_graphs_as_the_dynamic_path(tmp_path:
 
     from dflash.shared.target_loading import resolve_target
 
-    folder = build_family("qwen3_next", Path(resolve_target(None).load_path), tmp_path / "dense", extra=DENSE_HYBRID)
+    model_type, extra = DECODE_VARIANTS["dense_hybrid"]
+    folder = build_family(model_type, Path(resolve_target(None).load_path), tmp_path / "dense", extra=extra)
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
     draft = drafter(target, "dflash").cuda()
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
@@ -301,6 +347,12 @@ def test_hybrid_targets_decode_through_cuda_graphs_as_the_dynamic_path(tmp_path:
         assert graphed.tokens == eager.tokens and graphed.accepted == eager.accepted
         plain = spec.greedy_generate(target, prompt, 24, [2], decode="auto")
         assert plain.decode == "static+cuda-graphs" and plain.tokens == graphed.tokens
+    # Blocks accepted in part, in full and not at all: the kept lengths 1..BLOCK - 1 replayed from their graphs.
+    prompt = list(range(300, 320))
+    reference = spec.greedy_generate(target, prompt, 40 + BLOCK, [], decode="dynamic").tokens
+    result, planted = decode_with_planted_drafts(target, draft, prompt, reference, "auto", pytest.MonkeyPatch())
+    assert result.decode.startswith("static+cuda-graphs") and result.tokens == reference[:40]
+    assert result.accepted[:-1] == planted[:-1]
 
 
 @given(needed=st.integers(1, 1 << 20))
