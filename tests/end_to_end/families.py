@@ -54,10 +54,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
 
 # Hybrid targets for the decode tests only (not in FAMILIES: no end-to-end run), as (model type, config overrides):
 # Qwen3-Next with dense MLPs in every layer, whose forwards have no expert routing (its host-side index lists,
-# `nonzero`, no CUDA graph can capture), so the graphed decode path runs whole; and Qwen3.5's text model.
+# `nonzero`, no CUDA graph can capture), so the graphed decode path runs whole; Qwen3.5's text models, dense and MoE.
 DECODE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "dense_hybrid": ("qwen3_next", {"mlp_only_layers": list(range(LAYERS))}),
     "qwen3_5_text": ("qwen3_5_text", LINEAR_ATTENTION),
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", {**MOE, "num_experts": 4, "shared_expert_intermediate_size": 32,
+                                              **LINEAR_ATTENTION}),
 }
 
 

@@ -23,14 +23,14 @@ from tests.end_to_end.families import DECODE_VARIANTS, build_family, decode_fami
 from tests.stage2_train.test_dflash2 import randomise_added_parts
 
 FAMILIES = ["llama", "gemma3_text", "qwen3_next", "qwen3_5_text", "gpt_oss", "deepseek_v3"]
-HYBRIDS = ["qwen3_next", "qwen3_5_text", "dense_hybrid"]
+HYBRIDS = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "dense_hybrid"]
 BLOCK = 4
 LAYER_IDS = [1, 2]
 
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return load_families([*FAMILIES, "dense_hybrid"], tmp_path_factory.mktemp("families"))
+    return load_families([*FAMILIES, "qwen3_5_moe_text", "dense_hybrid"], tmp_path_factory.mktemp("families"))
 
 
 def drafter(target: torch.nn.Module, architecture: str) -> loop.DFlashDraftModel:
