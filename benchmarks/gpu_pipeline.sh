@@ -50,7 +50,8 @@
 #             --compile with SDPA and with flex, each against the same run without it (FLAG_VARIANTS picks
 #             which) -> $OUT/flags.json
 #   gputests  the tests marked `gpu` (CUDA graphs and compiled forwards of the decode loop, CUDA memory bounds; CI
-#             skips them), at most GPU_TESTS_SECONDS (300) -> $OUT/gpu_tests.txt and gpu_tests.xml; needs `model`
+#             skips them; GPU_TESTS_K: those pytest -k selects), at most GPU_TESTS_SECONDS (300) -> $OUT/gpu_tests.txt
+#             and gpu_tests.xml; needs `model`
 #             (the tests load the embedded tokenizer). Families with sliding windows skip under transformers < 5.18
 #   headline  generate, extract, train, eval, keep (when KEEP is set; and probe / flags beside generate when PROBE=1 / FLAGS=1): the
 #             whole run, meant to be
@@ -473,8 +474,10 @@ EOF
         ;;
     gputests)  # the tests marked gpu (CUDA graphs, compiled forwards: CI has no GPU and skips them)
         # -v: each test's outcome on its own line as it ends (a run cut by the time limit writes no JUnit file)
+        # GPU_TESTS_K: only the tests pytest's -k selects (e.g. hybrid)
         timed gpu_tests timeout "${GPU_TESTS_SECONDS:-300}" python3 -m pytest -v -p no:cacheprovider -m gpu \
-            --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml" tests >"$OUT/gpu_tests.txt" 2>&1
+            ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml" tests \
+            >"$OUT/gpu_tests.txt" 2>&1
         tail -n 3 "$OUT/gpu_tests.txt"
         ;;
     specforge)
