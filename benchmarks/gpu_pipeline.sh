@@ -85,26 +85,16 @@
 #            the next session generates only what that file lacks (`turns` leaves it out of the input, `merge`
 #            keeps one record per id). A generate restarted in the same session (call 3's command, with the same
 #            CARRIED) resumes from its part files.
-# Time, when the machine comes at once: start and setup ~2 min, model ~1 min (GGUF conversion 32-60 s), call 3's
-# start ~20 s; then generation as measured on an H200 on 2026-12-03 (benchmarks/results/h200_generate_static:
-# 795,584 new tokens in 216 s with start-up, 3,680 tokens/s; 405 new tokens per answer; 85 of 2,048 skipped as too
-# long; ~57 s of start-up, the first 512-row chunk of each of the 2 workers 94 s with compilation, later ones 65 s).
-# The 13,177 first turns left (the first 85 of them those skipped before): ~12,550 answers, ~5.09 M new tokens:
-# ~23 min at 3,680 tokens/s, ~16 min at the later chunks' pace (26 chunks, 13 rounds of 65 s, plus start-up and
-# compilation). A session leaves generation ~1,470 s (30 min less ~4 before and ~1.5 after), so one H200 session
-# should do it when the machine comes at once; a machine that comes late or is lost (the chunks in flight, 65-95 s
-# of work each, are lost at the time limit or with the machine) needs a second, short session. H100 (256 rows a batch:
-# GEN_BATCH_TOKENS below): not measured.
-# Two batching paths not yet measured on a GPU (2026-12-06): the static caches are now sized per batch (chunks come
-# longest prompts first; generate.log's "batch of" lines, summarised by KV length in summary.json's
-# generate_batches), and AB_FLAGS="--workers-per-gpu 1 --chunk-size 1024 --continuous-batching" (transformers'
-# continuous batching) replaces padded batches altogether. `genab` times both on the same first 1,024 turns before
-# the long run (its answers are kept), and `generate` goes on with the faster (call 3 above).
-# Size: all ~16,760 merged are ~10 MB as gzip (588 bytes a conversation; ~7 MB as xz). In the tree, that puts
-# calls 1 and 2 over 64 MiB (72.2 and 69.8 MiB with it, without the older files' removal): a second session before the
-# commit carries the file in .carry_c instead (cp it to .carry_c/carried.jsonl.gz; call 3 with
-# CARRIED=.carry_c/carried.jsonl.gz); once it is committed, the GGUF needs a third call (not built: e.g. parts of
-# GGUF_PART=33000000, one of them carried by a third call before `model`).
+# Measured on an H100 on 2026-12-06 (benchmarks/results/h100_generate_4x_2026-12-06; the machine came after ~12
+# refused starts, so ~17 minutes of the budget were left): genab on the same first 1,024 pending turns, start-up
+# included: padded batches with per-batch static caches (GEN_FLAGS) 3,272 new tokens/s, transformers' continuous
+# batching (AB_FLAGS) 1,385 (the static path 2.36x); generate then went on with GEN_FLAGS: 3,476,272 new tokens in
+# 465 s with start-up (7,476 tokens/s: two workers of 256 rows, static caches of 1,024-1,536 KV positions; the H200's
+# 3,680 of 2026-12-03 had full-length caches), 8,335 answers (6,000 of them cut at NEW_TOKENS), 369 skipped as too
+# long. Merged: 13,468 conversations (3.2x the 4,215 before), committed there and the CARRIED default below.
+# Left: ~3,550 first turns, ~1.5 M new tokens, ~4 minutes at that pace: one short session with call 3 as above but
+# `generate` alone (genab's answer is known; leave it out). The tree now holds that file (9.3 MB), so gpu_carry.sh
+# splits the GGUF in three and prints the `park` call to make between calls 1 and 2.
 #
 # The headline on the 4,215 carried conversations as run on 2026-12-04 (fifth session: one fp8 cache, two drafters
 # side by side at 64 and 16 anchors per sequence, the better one evaluated; 1,583 s of device time with a longer
@@ -194,7 +184,7 @@ PROBE=${PROBE:-0}
 FLAGS=${FLAGS:-0}
 FLAG_VARIANTS=${FLAG_VARIANTS:-sdpa sdpa_compile flex flex_compile}
 BENCH_VARIANTS=${BENCH_VARIANTS:-flex flex_compile sdpa sdpa_compile}
-CARRIED=${CARRIED:-benchmarks/results/h200_generate_static/generated.jsonl.gz}  # the newest committed
+CARRIED=${CARRIED:-benchmarks/results/h100_generate_4x_2026-12-06/generated.jsonl.gz}  # the newest committed
 TURNS=${TURNS:-.carry_c/sharegpt_first_turns.jsonl.gz}  # ShareGPT first turns (gpu_carry.sh); needed by generate only
 WAIT=${WAIT:-0}  # pack: seconds to wait for the generate stage to end
 INIT=${INIT:-}  # an exported drafter (folder) every run starts from (--init-from): training goes on across sessions

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The recipe bench (benchmarks/recipe_bench.py, issue 29) on the lent GPU: one fp8 cache of the committed
-# regenerated conversations ($CARRIED of gpu_pipeline.sh, 4,215 of them) with the target's top-32 and its last 5
+# regenerated conversations ($CARRIED of gpu_pipeline.sh: 13,468 of them since 2026-12-06; the runs before used the
+# 4,215 of CARRIED=benchmarks/results/h200_generate_static/generated.jsonl.gz) with the target's top-32 and its last 5
 # decoder layers (so every question of the issue can use it), then the bench: each variant alone, one after
 # another, at STEPS steps, validation every EVAL_EVERY steps over the whole split, the test split, and live tau
 # (MT-Bench and HumanEval, 20 prompts x 512 new tokens) of the baseline and the best. Run from the repository root
