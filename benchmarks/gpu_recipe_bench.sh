@@ -19,6 +19,9 @@
 #   c, target-initialised layers:  "random=;last=--init-from-target last;first=--init-from-target first"
 #   d, learning rate:              "lr1e-3=;lr2e-3=--lr 2e-3;lr5e-4=--lr 5e-4" (epochs: STEPS, or VARIANT_STEPS)
 #   the loss's second mix weight:  "ce=;mix25=--loss mix --kl-weight 0.25"
+#   the data's size (one cache, the same held-out splits; `dflash train --train-fraction`): the 13,468 conversations
+#   against as many training sequences as the 4,215 before gave (0.313 of the training band), e.g. at 3,000 steps:
+#                                  "data1x=--train-fraction 0.313;data3x=" (extracting 13,468: ~3 min, 55 s for 4,215)
 # STEPS (600), VARIANT_STEPS
 # ("NAME=STEPS;NAME=STEPS": those variants train their own number of steps instead, each its own cosine schedule
 # over its own length: recipe_bench.py --steps-of; the equal-time comparison below), EVAL_EVERY (200),

@@ -6,9 +6,11 @@ length, n_anchor_candidates)`; a sample without a single anchor candidate is dro
 
 `split_hash`, a hash of (seed, sample_index) in [0, 1), splits the samples: below `eval_fraction` the validation
 split (periodic evaluation, the choice of export_best/), the next `test_fraction` the test split (evaluated once,
-at the end), the rest training. It depends on the seed and on each sample's position in the dataset only, never on
-the number of shards, their order or which of them are finished; a test split leaves the validation split as it is
-without one.
+at the end), the rest training; with `train_fraction` < 1 only that fraction of the rest, by the same hash (the
+lowest keys), so a smaller fraction is a uniform random subset of a larger one and both are evaluated on the same
+validation and test splits: a data-size question asked on one cache. It depends on the seed and on each sample's
+position in the dataset only, never on the number of shards, their order or which of them are finished; a test
+split leaves the validation split as it is without one.
 
 `ShardStore` opens one shard to read samples back (the packed batches, the evaluation set); `shard_error` is the one
 line that names a damaged shard and the command that repairs it.
@@ -118,14 +120,17 @@ class CacheIndex:
     is_test: np.ndarray
     dropped_no_anchor: int
     dropped_tokens: int
+    is_unused: np.ndarray  # left out of training by a train_fraction < 1
 
     @classmethod
     def from_cache(cls, cache_dir: Path | str, eval_fraction: float = 0.05, seed: int = 0,
-                   test_fraction: float = 0.0) -> CacheIndex:
+                   test_fraction: float = 0.0, train_fraction: float = 1.0) -> CacheIndex:
         cache_dir = Path(cache_dir).resolve()
         if not (0.0 <= eval_fraction and 0.0 <= test_fraction and eval_fraction + test_fraction <= 1.0):
             raise ValueError(f"eval_fraction {eval_fraction} and test_fraction {test_fraction} must be >= 0 with a "
                              "sum <= 1")
+        if not 0.0 < train_fraction <= 1.0:
+            raise ValueError(f"train_fraction {train_fraction} must be in (0, 1]")
         manifest = cf.read_manifest(cache_dir)
         identity = manifest["identity"]
         feature_dim = int(identity["hidden_size"]) * len(identity["layer_ids"])
@@ -162,10 +167,13 @@ class CacheIndex:
                      dropped_tokens)
         is_eval = split_key < eval_fraction
         is_test = ~is_eval & (split_key < eval_fraction + test_fraction)
+        held_out = eval_fraction + test_fraction
+        is_unused = split_key >= held_out + train_fraction * (1.0 - held_out) if train_fraction < 1.0 \
+            else np.zeros_like(is_eval)
         return cls(cache_dir=cache_dir, manifest=manifest, done_shards=done, unfinished_shards=unfinished,
                    shards=joined["shards"], rows=joined["rows"], lengths=joined["lengths"],
                    candidates=joined["candidates"], split_key=split_key, is_eval=is_eval, is_test=is_test,
-                   dropped_no_anchor=dropped, dropped_tokens=dropped_tokens)
+                   dropped_no_anchor=dropped, dropped_tokens=dropped_tokens, is_unused=is_unused)
 
     @property
     def codec(self) -> FeatureCodec:
@@ -178,7 +186,7 @@ class CacheIndex:
 
     @property
     def is_train(self) -> np.ndarray:
-        return ~(self.is_eval | self.is_test)
+        return ~(self.is_eval | self.is_test | self.is_unused)
 
     @cached_property
     def train(self) -> list[Sample]:

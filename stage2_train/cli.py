@@ -83,6 +83,11 @@ from dflash.stage2_train.options import ARCHITECTURES, COMPILE_MIN_STEPS, SELECT
               help="Fraction in the test split, disjoint from validation and training: the drafter in export_best/ "
                    "is evaluated on all of it once, at the end (RUN/test_results.json); `dflash eval --data "
                    "heldout` takes its prompts from it.")
+@click.option("--train-fraction", type=click.FloatRange(0, 1, min_open=True), default=TrainOptions.train_fraction,
+              show_default=True,
+              help="Train on this fraction of the samples left after the validation and test splits (a uniform random "
+                   "subset, nested: 0.25's samples are among 0.5's), the held-out splits unchanged: how much better "
+                   "does the drafter get with more data, asked on one cache.")
 @click.option("--eval-every", type=click.IntRange(min=0), default=TrainOptions.eval_every, show_default=True,
               help="Evaluate on the validation split every N steps (0 = only at the end).")
 @click.option("--eval-sequences", type=click.IntRange(min=1), default=None,

@@ -57,6 +57,7 @@ class TrainOptions:
     gamma: float | None = None
     eval_fraction: float = 0.05  # the validation split: periodic evaluation and the choice of export_best/
     test_fraction: float = 0.05  # the test split: the chosen drafter, evaluated once at the end
+    train_fraction: float = 1.0  # of the rest, the part trained on (cache_index.py: a data-size question on one cache)
     eval_every: int = 200
     eval_sequences: int | None = None  # validation sequences per evaluation (None: the whole split)
     checkpoint_every: int = 500

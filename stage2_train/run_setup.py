@@ -179,7 +179,8 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     manifest = cf.read_manifest(cache)
     if options.resume:
         keep_recorded_plan(options, files)
-    index = CacheIndex.from_cache(cache, options.eval_fraction, options.seed, options.test_fraction)
+    index = CacheIndex.from_cache(cache, options.eval_fraction, options.seed, options.test_fraction,
+                                  options.train_fraction)
     parts = load_target_parts(cache)
     config, mask_token_id = drafter_config(options, manifest, parts, files)
     torch.manual_seed(options.seed)
@@ -301,9 +302,11 @@ def keep_recorded_plan(options: TrainOptions, files: RunFiles) -> None:
         return
     record = files.recorded_options("eval_fraction", "test_fraction", "seed")
     given = {"--eval-fraction": options.eval_fraction, "--test-fraction": options.test_fraction, "--seed": options.seed,
-             "--anchor-density": options.anchor_density, "--max-anchors": options.max_anchors}
+             "--train-fraction": options.train_fraction, "--anchor-density": options.anchor_density,
+             "--max-anchors": options.max_anchors}
     made = {"--eval-fraction": record["eval_fraction"], "--test-fraction": record["test_fraction"],
-            "--seed": record["seed"], "--anchor-density": record.get("anchor_density", options.anchor_density),
+            "--seed": record["seed"], "--train-fraction": record.get("train_fraction", 1.0),
+            "--anchor-density": record.get("anchor_density", options.anchor_density),
             "--max-anchors": record.get("max_anchors", options.max_anchors)}
 
     def differ(made_value: Any, value: Any) -> bool:  # --anchor-density may be None (every candidate)

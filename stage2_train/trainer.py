@@ -59,9 +59,11 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
     run = setup_run(options)
     options = run.options  # with the attention and compilation chosen for this device and run (fast_path.py)
     metrics = MetricsLog(run)
-    log.info("training %d steps (~%d per epoch) on %d process(es), %s, %d train / %d validation / %d test samples; "
+    unused = int(run.index.is_unused.sum())
+    log.info("training %d steps (~%d per epoch) on %d process(es), %s, %d train / %d validation / %d test samples%s; "
              "mask token %d", run.total_steps, run.steps_per_epoch, run.world, run.device, len(run.index.train),
-             len(run.index.eval), len(run.index.test), run.mask_token_id)
+             len(run.index.eval), len(run.index.test),
+             f" ({unused} left out by --train-fraction {options.train_fraction})" if unused else "", run.mask_token_id)
     last_eval: dict[str, Any] = {}
     evaluated_step = None
     if run.state.step == 0 and options.eval_every:  # the untrained drafter: the baseline of every later figure

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash.shared import cache_format as cf
@@ -246,6 +246,30 @@ def test_validation_and_test_splits_are_disjoint_bands_of_the_split_hash(cache: 
     assert Counter(s for batch in plan_epoch(three, 0, 1, 640) for s in batch) == Counter(three.train)
     with pytest.raises(ValueError, match="sum <= 1"):
         CacheIndex.from_cache(cache, eval_fraction=0.6, seed=3, test_fraction=0.5)
+
+
+@given(fractions=st.lists(st.floats(0.01, 1.0), min_size=2, max_size=4))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_train_fractions_are_nested_hash_bands_with_the_same_held_out_splits(cache: Path, fractions: list[float]) -> None:
+    """--train-fraction F trains on the rest's samples whose split hash lies in its lowest F part (a uniform random
+    subset); a smaller fraction's samples are among a larger one's, the validation and test splits never change, and
+    the left-out samples are counted apart (no split holds them). F = 1 is every training sample."""
+    whole = CacheIndex.from_cache(cache, eval_fraction=0.15, seed=3, test_fraction=0.2)
+    stored = stored_samples(cache)
+    hashes = {key: float(split_hash(np.array([s["sample_index"]]), 3)[0]) for key, s in stored.items()}
+    previous: set | None = None
+    for fraction in sorted(fractions):
+        part = CacheIndex.from_cache(cache, eval_fraction=0.15, seed=3, test_fraction=0.2, train_fraction=fraction)
+        train = {(s.shard, s.row) for s in part.train}
+        assert part.eval == whole.eval and part.test == whole.test
+        assert train == {(s.shard, s.row) for s in whole.train if hashes[(s.shard, s.row)] < 0.35 + fraction * 0.65}
+        assert int(part.is_unused.sum()) == len(whole.train) - len(train)
+        assert previous is None or previous <= train
+        previous = train
+    assert CacheIndex.from_cache(cache, eval_fraction=0.15, seed=3, test_fraction=0.2, train_fraction=1.0).train \
+        == whole.train
+    with pytest.raises(ValueError, match="train_fraction"):
+        CacheIndex.from_cache(cache, eval_fraction=0.15, seed=3, train_fraction=0.0)
 
 
 # ------------------------------------------------------------------------------------------------- plans
