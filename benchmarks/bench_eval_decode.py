@@ -4,7 +4,7 @@
 Recipe (the GPU machine, one H100; about 4 minutes, most of it the dynamic path of part a):
 
     python benchmarks/bench_eval_decode.py --out benchmarks/results/eval_decode_h100 [--draft RUN/export]
-        [--compile-drafter] [--compile-target] [--phases]
+        [--compile-drafter] [--compile-target] [--phases] [--part all|smollm2|qwen3-8b|qwen3.5-9b]
 
 (a) ``smollm2``: SmolLM2-135M-Instruct (the embedded default target, bf16) with the drafter export --draft, or
     without one a random-weight drafter of the shape `dflash train` builds by default (speed only: its tau is about
@@ -19,6 +19,14 @@ Recipe (the GPU machine, one H100; about 4 minutes, most of it the dynamic path 
     speedup the loop would give at tau 3, 4, 6 is computed from these measured step times:
     forwards: tau * t_decode / (t_verify + t_draft); loop: tau * t_plain_step / t_speculative_step (its measured
     step at tau about 1 includes the loop's own overhead).
+
+(c) ``qwen3.5-9b`` (only with --part qwen3.5-9b): the same as b on a random-weight target of transformers' default
+    Qwen3.5 text shape (hidden 4096, 32 layers, three of every four gated delta-net linear attention; ~9B, ~18 GB in
+    bf16), a hybrid on the static path: besides b's forwards, the forward a rollback feeds again for each kept
+    length 1..block - 1 (``refeed_forward``), which the speedup from forwards adds to a step that keeps round(tau)
+    tokens of its block. transformers' reference PyTorch kernels of the linear attention (the GPU image has neither
+    flash-linear-attention nor causal-conv1d), so it measures this loop as `dflash eval` runs it there, not a
+    serving engine's kernels.
 
 Three opt-in parts (issue 31: speedup >= 0.7 x tau):
 --compile-drafter adds the path ``static+compiled-drafter``: the fast path with the drafter's block forward compiled
@@ -63,7 +71,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_extract import QWEN3_8B, build_qwen3_random  # noqa: E402
+from bench_extract import build_qwen3_random  # noqa: E402
 
 from dflash.shared.target_layers import default_layer_ids  # noqa: E402
 from dflash.stage1_extract.supervisor import ExtractOptions  # noqa: E402
@@ -314,15 +322,39 @@ def median_seconds(step: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+def build_qwen35_random(device: torch.device) -> torch.nn.Module:
+    """A random-weight target of transformers' default Qwen3.5 text shape (hidden 4096, 32 layers, three of every
+    four gated delta-net linear-attention layers; ~9B parameters, bf16): a hybrid on the static path."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with device:
+        model = Qwen3_5ForCausalLM(config).to(torch.bfloat16)
+    return model.eval().requires_grad_(False)
+
+
 def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    target = build_qwen3_random(device)
-    draft = random_drafter(target, QWEN3_8B["vocab_size"] - 1, device)
+    return bench_large(args, device, build_qwen3_random(device), "Qwen3-8B-shaped, random weights (bf16)")
+
+
+def bench_qwen35(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    return bench_large(args, device, build_qwen35_random(device), "Qwen3.5-9B-shaped hybrid, random weights (bf16)")
+
+
+def bench_large(args: argparse.Namespace, device: torch.device, target: torch.nn.Module,
+                label: str) -> dict[str, Any]:
+    """Parts b and c: one verify forward of a block, one plain decode step, one drafter block forward, on the fast
+    path, median over --repeats, then the loops; on a hybrid target also the forward a rollback feeds again for
+    each kept length (1 to block - 1), which a step pays when the block is accepted in part."""
+    vocab = int(target.config.get_text_config().vocab_size)
+    draft = random_drafter(target, vocab - 1, device)
     block, layer_ids = draft.block_size, draft.target_layer_ids
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, QWEN3_8B["vocab_size"], (args.context,), generator=generator).tolist()
+    prompt = torch.randint(0, vocab, (args.context,), generator=generator).tolist()
     capacity = args.context + args.qwen_new_tokens + block
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    forwards: dict[str, float] = {}
+    forwards: dict[str, Any] = {}
     with torch.inference_mode():
         verifier = loop.target_runner(target, layer_ids, capacity, "static", planned=True)
         verifier.compile_widths.add(block)  # as speculative_generate names its verify block
@@ -345,6 +377,15 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
                 step()
             forwards["verify_block"] = median_seconds(verify, args.repeats)
             forwards["draft_block"] = median_seconds(propose, args.repeats)
+            if verifier.keeps_recurrent_states:  # what a rollback feeds again
+                refeed = {}
+                for kept in range(1, block):
+                    def feed_again(kept: int = kept) -> None:
+                        verifier.verify(block_ids[:kept], args.context)
+                        verifier.rollback(args.context)  # only the states copied back: nothing fed
+                    feed_again()
+                    refeed[kept] = median_seconds(feed_again, args.repeats)
+                forwards["refeed_forward"] = refeed
             if args.compile_drafter:
                 with compiled_parts(COMPILED):
                     compiled = loop.draft_runner(draft, embed, head, 1.0, capacity, "static", planned=True)
@@ -359,7 +400,7 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
         decoder.forward(prompt, 0, last_only=True)
 
         def decode_step() -> None:
-            logits, _ = decoder.forward([prompt[1]], args.context, last_only=True)
+            logits, _ = decoder.verify([prompt[1]], args.context)  # a forward that the rollback below may undo
             int(logits[-1].argmax())  # the plain loop's one read-back
             decoder.rollback(args.context)
 
@@ -368,10 +409,15 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
         paths = {"verify_block": verifier.path, "draft_block": "static+cuda-graphs" if drafter.graph_failure is None
                  else drafter.graph_failure, "decode_step": decoder.path}
     loops = decode_all(target, draft, [prompt], args.qwen_new_tokens, capacity, bench_paths(args))
-    spec_step = forwards["verify_block"] + forwards["draft_block"]
     fast = loops["static"]
+
+    def spec_step(tau: float) -> float:  # a step that keeps tau tokens of the block pays the feed-again of as many
+        kept = round(tau)
+        refeed = forwards.get("refeed_forward", {}).get(kept, 0.0) if kept < block else 0.0
+        return forwards["verify_block"] + forwards["draft_block"] + refeed
+
     return {
-        "target": "Qwen3-8B-shaped, random weights (bf16)",
+        "target": label,
         "drafter": f"random weights, {DRAFT_LAYERS} layers, block {block}",
         "context": args.context,
         "forward_seconds": forwards,
@@ -380,7 +426,7 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
         "loops": loops,
         "speedup_at_tau": [
             {"tau": tau,
-             "from_forwards": tau * forwards["decode_step"] / spec_step,
+             "from_forwards": tau * forwards["decode_step"] / spec_step(tau),
              "from_loop_steps": tau * fast["plain"]["seconds_per_step"] / fast["dflash"]["seconds_per_step"]}
             for tau in TAUS],
     }
@@ -389,7 +435,8 @@ def bench_qwen3(args: argparse.Namespace, device: torch.device) -> dict[str, Any
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for bench_eval_decode.json")
-    parser.add_argument("--part", choices=["all", "smollm2", "qwen3-8b"], default="all")
+    parser.add_argument("--part", choices=["all", "smollm2", "qwen3-8b", "qwen3.5-9b"], default="all",
+                        help="all: smollm2 and qwen3-8b; qwen3.5-9b (a hybrid, ~18 GB) only when named")
     parser.add_argument("--draft", type=Path, default=None, help="a drafter export for SmolLM2 (default: random)")
     parser.add_argument("--prompts", type=int, default=5, help="MT-Bench prompts (part a)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens per prompt (part a)")
@@ -420,9 +467,12 @@ def main() -> None:
         if "smollm2" in report:
             torch.cuda.empty_cache() if device.type == "cuda" else None
         report["qwen3_8b"] = bench_qwen3(args, device)
-        for row in report["qwen3_8b"]["speedup_at_tau"]:
-            print(f"tau {row['tau']}: speedup {row['from_forwards']:.2f}x (forwards), {row['from_loop_steps']:.2f}x "
-                  "(loop steps)")
+    if args.part == "qwen3.5-9b":
+        report["qwen3_5_9b"] = bench_qwen35(args, device)
+    for part in ("qwen3_8b", "qwen3_5_9b"):
+        for row in report.get(part, {}).get("speedup_at_tau", []):
+            print(f"{part} tau {row['tau']}: speedup {row['from_forwards']:.2f}x (forwards), "
+                  f"{row['from_loop_steps']:.2f}x (loop steps)")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_eval_decode.json"
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")

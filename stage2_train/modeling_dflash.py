@@ -931,6 +931,11 @@ class TargetRunner:
                 self._static_forward([0] * width, 0, last_only=False)
         self.reset()
 
+    @property
+    def keeps_recurrent_states(self) -> bool:
+        """A hybrid target on the static path: a rollback inside a block feeds the kept tokens again."""
+        return self._recurrent
+
     def prewarm_rollbacks(self, block_width: int) -> None:
         """On a hybrid target's graphed static path: capture now the forwards that `rollback` feeds again after a
         verify block of ``block_width`` (1 to block_width - 1 kept tokens), so that no capture falls inside a timed

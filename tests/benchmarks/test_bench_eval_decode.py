@@ -1,0 +1,45 @@
+"""benchmarks/bench_eval_decode.py's large-target part (`bench_large`: forward times, the loops, the speedup table) on
+a tiny hybrid target on CPU: the part runs on the GPU machine only at real sizes (Qwen3-8B, Qwen3.5-9B shapes), where
+a mistake costs a device session."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_eval_decode  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid() -> torch.nn.Module:
+    """A Qwen3.5 text model of 12 layers (every fourth full attention, the rest gated delta-net), hidden 64: deep
+    enough for the drafter's default 5 captured layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3_5_text", hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
+                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                  linear_value_head_dim=16, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+
+
+def test_the_large_target_part_times_a_hybrids_feed_again_and_counts_it_in_the_speedup(
+        tiny_hybrid: torch.nn.Module) -> None:
+    torch.set_num_threads(1)
+    args = argparse.Namespace(context=24, qwen_new_tokens=10, repeats=1, compile_drafter=False)
+    result = bench_eval_decode.bench_large(args, torch.device("cpu"), tiny_hybrid, "tiny hybrid")
+    forwards, block = result["forward_seconds"], bench_eval_decode.DEFAULT_BLOCK_SIZE
+    assert sorted(forwards["refeed_forward"]) == list(range(1, block))  # every kept length of a block
+    assert result["forward_paths"]["verify_block"] == result["forward_paths"]["decode_step"] == "static"
+    for row in result["speedup_at_tau"]:  # a step keeping tau tokens pays the verify, the drafter and that feed
+        step = forwards["verify_block"] + forwards["draft_block"] + forwards["refeed_forward"][int(row["tau"])]
+        assert row["from_forwards"] == pytest.approx(row["tau"] * forwards["decode_step"] / step)
+    for path in ("dynamic", "static"):  # speculative decoding stays lossless on both paths
+        assert result["loops"][path]["speculative_equals_plain"] == 1
