@@ -60,11 +60,11 @@
 #
 # Four times the data (issue 29): the 13,177 of the dataset's 17,392 first turns with an answer that the 4,215
 # carried conversations leave, regenerated over one or two 30-minute device sessions. Each session:
-#   here:    bash benchmarks/gpu_carry.sh   (.carry_c: all first turns, 14.0 MB; with the tree's 8.8 MB, call 1
-#            carries 62.7 MiB, call 2 60.3 MiB, call 3 21.7 MiB; once the tree is too large for that, e.g. with this
-#            generation's file committed, it prints a `park` call to make between calls 1 and 2:
-#            carry .carry_d; bash benchmarks/gpu_pipeline.sh park)
+#   here:    bash benchmarks/gpu_carry.sh   (.carry_c: all first turns, 14.0 MB; with the generated file of
+#            2026-12-06 committed the tree is 19.1 MB, too large for the GGUF in two calls, so it prints a `park`
+#            call to make between calls 1 and 2: 61.9, 49.5, 49.6 and 31.6 MiB for setup, park, model and call 3)
 #   call 1:  carry .whl .carry_a;  export OUT2=$OUT OUT=/tmp/gpu_out; bash benchmarks/gpu_pipeline.sh setup
+#   park:    carry .carry_d;  bash benchmarks/gpu_pipeline.sh park
 #   call 2:  carry .carry_b;  export OUT2=$OUT OUT=/tmp/gpu_out; cp -r . /tmp/repo && cd /tmp/repo &&
 #            bash benchmarks/gpu_pipeline.sh model
 #   call 3:  carry .carry_c;  export OUT2=$OUT OUT=/tmp/gpu_out; cp -r .carry_c /tmp/repo/ && cd /tmp/repo &&
@@ -89,7 +89,7 @@
 # refused starts, so ~17 minutes of the budget were left): genab on the same first 1,024 pending turns, start-up
 # included: padded batches with per-batch static caches (GEN_FLAGS) 3,272 new tokens/s, transformers' continuous
 # batching (AB_FLAGS) 1,385 (the static path 2.36x); generate then went on with GEN_FLAGS: 3,476,272 new tokens in
-# 465 s with start-up (7,476 tokens/s: two workers of 256 rows, static caches of 1,024-1,536 KV positions; the H200's
+# 465 s with start-up (7,476 tokens/s: two workers of 256 rows, static caches mostly of 1,024 KV positions; the H200's
 # 3,680 of 2026-12-03 had full-length caches), 8,335 answers (6,000 of them cut at NEW_TOKENS), 369 skipped as too
 # long. Merged: 13,468 conversations (3.2x the 4,215 before), committed there and the CARRIED default below.
 # Left: ~3,550 first turns, ~1.5 M new tokens, ~4 minutes at that pace: one short session with call 3 as above but

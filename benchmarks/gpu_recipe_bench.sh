@@ -19,9 +19,10 @@
 #   c, target-initialised layers:  "random=;last=--init-from-target last;first=--init-from-target first"
 #   d, learning rate:              "lr1e-3=;lr2e-3=--lr 2e-3;lr5e-4=--lr 5e-4" (epochs: STEPS, or VARIANT_STEPS)
 #   the loss's second mix weight:  "ce=;mix25=--loss mix --kl-weight 0.25"
-#   the data's size (one cache, the same held-out splits; `dflash train --train-fraction`): the 13,468 conversations
-#   against as many training sequences as the 4,215 before gave (0.313 of the training band), e.g. at 3,000 steps:
-#                                  "data1x=--train-fraction 0.313;data3x=" (extracting 13,468: ~3 min, 55 s for 4,215)
+#   the data's size (one cache, the same held-out splits; `dflash train --train-fraction`): all conversations
+#   against as many training sequences as the 4,215 before gave (~3,780: 0.25 of the training band once all ~16,900
+#   are generated, 0.313 of the 13,468), e.g. at 3,000 steps (~22 epochs of the small part):
+#                                  "data1x=--train-fraction 0.25;data4x=" (extracting ~16,900: ~4 min, 55 s for 4,215)
 # STEPS (600), VARIANT_STEPS
 # ("NAME=STEPS;NAME=STEPS": those variants train their own number of steps instead, each its own cosine schedule
 # over its own length: recipe_bench.py --steps-of; the equal-time comparison below), EVAL_EVERY (200),
@@ -71,8 +72,10 @@
 #
 # The calls (one 30-minute device session; the machine goes back 30 s after a call returns, with everything on it,
 # so issue each call right after the previous one returns):
-#   here:    bash benchmarks/gpu_carry.sh   (once; .whl, .carry_a, .carry_b are ignored folders)
+#   here:    bash benchmarks/gpu_carry.sh   (once; .whl, .carry_a, .carry_b, .carry_d are ignored folders)
 #   call 1:  carry .whl .carry_a:  export OUT2=$OUT OUT=/tmp/gpu_out; bash benchmarks/gpu_pipeline.sh setup
+#   park:    carry .carry_d:  bash benchmarks/gpu_pipeline.sh park   (when gpu_carry.sh prints it: the tree holds
+#            the generated conversations since 2026-12-06, too large for the GGUF in two calls)
 #   call 2:  carry .carry_b:  export OUT2=$OUT OUT=/tmp/gpu_out; cp -r . /tmp/repo && cd /tmp/repo &&
 #            bash benchmarks/gpu_pipeline.sh model &&
 #            (setsid nohup bash benchmarks/gpu_recipe_bench.sh >/tmp/gpu_out/recipe_bench.out 2>&1 </dev/null &);

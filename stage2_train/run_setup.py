@@ -208,7 +208,8 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     if run.steps_per_epoch == 0:
         raise UserError(f"the cache holds too few training samples for one step of {run.world} x "
                         f"{options.grad_accum} micro-batches of {options.batch_tokens} tokens: lower --batch-tokens "
-                        "or --grad-accum")
+                        "or --grad-accum" + (f", or raise --train-fraction ({options.train_fraction})"
+                                             if options.train_fraction < 1 else ""))
     run.total_steps = options.max_steps or sum(run.steps_in_epoch(e) for e in range(options.epochs))
     choose_training_path(run)
     options = run.options

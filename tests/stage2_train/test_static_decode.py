@@ -22,7 +22,7 @@ from dflash.stage2_train.draft_config import config_from_target
 from tests.end_to_end.families import DECODE_VARIANTS, build_family, decode_families, load_families
 from tests.stage2_train.test_dflash2 import randomise_added_parts
 
-FAMILIES = ["llama", "gemma3_text", "qwen3_next", "qwen3_5_text", "gpt_oss", "deepseek_v3"]
+FAMILIES = ["llama", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss", "deepseek_v3"]
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "dense_hybrid"]
 BLOCK = 4
 LAYER_IDS = [1, 2]
@@ -30,7 +30,7 @@ LAYER_IDS = [1, 2]
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return load_families([*FAMILIES, "qwen3_5_moe_text", "dense_hybrid"], tmp_path_factory.mktemp("families"))
+    return load_families([*FAMILIES, "dense_hybrid"], tmp_path_factory.mktemp("families"))
 
 
 def drafter(target: torch.nn.Module, architecture: str) -> loop.DFlashDraftModel:
@@ -55,7 +55,7 @@ def test_decode_modes_resolve_by_device() -> None:
 
 
 def test_static_support_by_family(targets: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    for family in FAMILIES:
+    for family in [*FAMILIES, "dense_hybrid"]:
         assert loop.static_unsupported(targets[family]) is None, family
     hybrid = targets["qwen3_next"]
     monkeypatch.setattr(hybrid.config, "model_type", "jamba")  # linear attention of a family not tested statically
@@ -163,7 +163,7 @@ def test_partly_accepted_blocks_stay_lossless_on_the_static_path(targets: dict, 
     prompt = list(range(300, 320))
     reference = spec.greedy_generate(target, prompt, 40 + BLOCK, []).tokens
     result, planted = decode_with_planted_drafts(target, draft, prompt, reference, "static", monkeypatch)
-    assert result.tokens == reference[:40]
+    assert result.decode.startswith("static") and result.tokens == reference[:40]
     assert result.accepted[:-1] == planted[:-1]
 
 
@@ -222,7 +222,7 @@ def test_prompt_lookup_stays_lossless_when_its_proposals_are_accepted_in_part(ta
     for decode in ("dynamic", "static"):
         calls = [0]
         lookup = spec.prompt_lookup_generate(target, prompt, 40, [], decode=decode)
-        assert lookup.tokens == reference[:40], decode
+        assert lookup.tokens == reference[:40] and lookup.decode.startswith(decode), decode
         planned = [plans[i % len(plans)][1] for i in range(len(lookup.accepted))]
         expected = [plans[i % len(plans)][0] if wrong is None else wrong for i, wrong in enumerate(planned)]
         assert lookup.accepted[:-1] == expected[:-1], decode

@@ -200,6 +200,13 @@ def test_train_fraction_trains_on_part_of_the_training_split_and_says_so(train_c
         f"({len(whole.train) - len(half.train)} left out by --train-fraction 0.5)" in result.stderr
     assert json.loads((run / "train_options.json").read_text())["train_fraction"] == 0.5
     assert json.loads((run / "test_results.json").read_text())["sequences"] == len(whole.test)
+    from dflash.stage2_train.run_setup import keep_recorded_plan
+
+    recorded = dict(cache=train_cache, out=run, resume=True, max_anchors=24, anchor_density=TEST_ANCHOR_DENSITY,
+                    test_fraction=SPLIT[1])  # the run's TRAIN_ARGS
+    keep_recorded_plan(TrainOptions(**recorded, train_fraction=0.5), RunFiles(run))  # its own fraction: resumed
+    with pytest.raises(UserError, match="--train-fraction: the run has 0.5, this command gives 1.0"):
+        keep_recorded_plan(TrainOptions(**recorded), RunFiles(run))
 
 
 def test_a_run_without_a_test_split_evaluates_its_validation_split_and_resumes_only_with_its_split(
