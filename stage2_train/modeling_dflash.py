@@ -1106,7 +1106,6 @@ class TargetRunner:
                 if not width or keep < start:
                     raise ValueError(f"cannot roll back to {keep}: the recurrent states before position {keep} "
                                      "were not kept (only those before the last verified block)")
-                self._block_width = 0
                 torch._foreach_copy_(self._states, self._saved)
                 self.length = start
                 if keep > start:
