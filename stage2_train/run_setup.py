@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -227,19 +228,60 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     return run
 
 
+# How many compiled versions torch.compile keeps of one function before it runs new inputs eagerly (torch's default:
+# 8). The decoder layers' forward is one function for every layer and needs more: on an H100 (2026-12-06, a
+# `--attention flex --compile` run of the SmolLM2 drafter, TORCH_LOGS=recompiles) it took 8 versions by step ~100
+# (layer 0's input needs no gradient and the later layers' inputs do; static sizes first, then symbolic ones; the
+# packed context length specialised once; inductor's guards on size thresholds, e.g. 576 * tokens >= 5242880) and
+# from there ran new shapes eagerly: unfused, it ran out of memory at step 651 (76.5 GiB against the planned 39.1) and
+# the 3,000 steps took 15.8 minutes with the smaller retried micro-batches. Shapes are bucketed (shape_buckets.py),
+# so the versions stay few; this only lifts the cap above them.
+LAYER_RECOMPILE_LIMIT = 64
+
+
+class RecompileLimitWatch(logging.Handler):
+    """Counts torch.compile's "hit config.recompile_limit" warnings in this process (each means a compiled function
+    runs new inputs eagerly from then on: slower steps, more memory), for the end-of-run compile line."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.functions: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "recompile_limit" in message and "hit config" in message:
+            function = next((line.strip() for line in message.splitlines() if "function:" in line), message)
+            self.functions.append(function.removeprefix("function:").strip())
+
+    def summary(self) -> str:
+        if not self.functions:
+            return ""
+        return (f"; torch.compile's recompile limit was reached {len(self.functions)} time(s), after which new shapes "
+                f"ran uncompiled (slower, more memory): {'; '.join(sorted(set(self.functions)))}")
+
+
+RECOMPILE_LIMIT_WATCH = RecompileLimitWatch()
+
+
 def compile_layers(model: DFlashDraftModel) -> None:
     """--compile: each decoder layer compiled in place in this process. The mask building stays eager (its
     data-dependent indexing is cheap and made inductor fail on CPU when the whole drafter was compiled), and weight
     names, checkpoints and the export stay those of the uncompiled drafter. Inductor's split reductions are turned
     off (unless TORCHINDUCTOR_SPLIT_REDUCTIONS says otherwise): the compiled step was measured so on an H100 (2.04x
     the plain step, docs/benchmarks.md), and a split reduction over symbolic sizes is where inductor's backward
-    failed on varying packed shapes with grouped SDPA."""
+    failed on varying packed shapes with grouped SDPA. The recompile limit is raised to `LAYER_RECOMPILE_LIMIT`
+    (unless it is set higher) and hitting it is reported at the run's end (`RECOMPILE_LIMIT_WATCH`)."""
     import os
 
+    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
     if "TORCHINDUCTOR_SPLIT_REDUCTIONS" not in os.environ:
         inductor_config.split_reductions = False
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, LAYER_RECOMPILE_LIMIT)
+    watched = logging.getLogger("torch._dynamo.convert_frame")
+    if RECOMPILE_LIMIT_WATCH not in watched.handlers:
+        watched.addHandler(RECOMPILE_LIMIT_WATCH)
     for layer in model.layers:
         layer.compile()
     log.info("compile: %d decoder layers compile on their first steps", len(model.layers))

@@ -347,6 +347,7 @@ def test_compiled_layers_train_like_eager_ones(train_cache: Path, tmp_path: Path
     assert "compile: 1 decoder layers compile" in result.stderr
     graphs = re.search(r"compile: (\d+) graphs compiled", result.stderr)
     assert graphs and int(graphs.group(1)) >= 1, result.stderr[-2000:]  # the layers really went through dynamo
+    assert "recompile limit was reached" not in result.stderr
     assert_same_training(compiled, eager, loss_rel=1e-4)
     weights = [load_file(str(run / "export" / "model.safetensors")) for run in (compiled, eager)]
     assert sorted(weights[0]) == sorted(weights[1])

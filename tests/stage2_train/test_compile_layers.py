@@ -1,0 +1,55 @@
+"""--compile's decoder layers: torch.compile's recompile limit is lifted above what a run's bucketed shapes need, and
+a run that still reaches it says so (after it, new shapes run uncompiled: on an H100 that ran out of memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.config as dynamo_config
+
+from dflash.stage2_train.attention_masks import PackedLayout
+from dflash.stage2_train.draft_attention import training_drafter
+from dflash.stage2_train.draft_config import DFlashConfig
+from dflash.stage2_train.run_setup import LAYER_RECOMPILE_LIMIT, RECOMPILE_LIMIT_WATCH, compile_layers
+
+
+def tiny_drafter() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = DFlashConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=256, block_size=4, num_target_layers=4,
+                          dflash_config={"mask_token_id": 1, "target_layer_ids": [0, 1, 2]})
+    return training_drafter(config, "sdpa")
+
+
+def train_forward(model: torch.nn.Module, context_lengths: list[int]) -> None:
+    """One packed forward and backward (the first layer's input needs no gradient, the second's does: two compiled
+    versions of the one layer function)."""
+    layout = PackedLayout.from_anchor_lists([[1, length // 2] for length in context_lengths], context_lengths, 4)
+    noise = torch.randn(1, layout.num_queries, 64)
+    features = torch.randn(1, layout.context_len, 3 * 64)
+    model(noise, features, layout.query_position_ids(), layout.context_position_ids(), layout).sum().backward()
+
+
+@pytest.fixture
+def fresh_dynamo(monkeypatch: pytest.MonkeyPatch):
+    torch._dynamo.reset()
+    monkeypatch.setattr(RECOMPILE_LIMIT_WATCH, "functions", [])
+    with dynamo_config.patch(recompile_limit=8):
+        yield
+    torch._dynamo.reset()
+
+
+def test_compile_layers_lifts_the_recompile_limit_and_the_run_reports_reaching_it(fresh_dynamo: None) -> None:
+    model = tiny_drafter()
+    compile_layers(model)
+    assert dynamo_config.recompile_limit == LAYER_RECOMPILE_LIMIT > 8
+    train_forward(model, [20, 30])  # two versions of the layers' forward, under the lifted limit: nothing reported
+    assert RECOMPILE_LIMIT_WATCH.summary() == ""
+    torch._dynamo.reset()
+    with dynamo_config.patch(recompile_limit=1):  # one version allowed: the second layer's call reaches the limit
+        train_forward(model, [20, 30])
+    summary = RECOMPILE_LIMIT_WATCH.summary()
+    assert "recompile limit was reached 1 time(s)" in summary and "modeling_dflash.py" in summary, summary
+    with dynamo_config.patch(recompile_limit=LAYER_RECOMPILE_LIMIT + 1):
+        compile_layers(model)  # a higher limit someone set is kept
+        assert dynamo_config.recompile_limit == LAYER_RECOMPILE_LIMIT + 1
