@@ -92,9 +92,11 @@
 # 465 s with start-up (7,476 tokens/s: two workers of 256 rows, static caches mostly of 1,024 KV positions; the H200's
 # 3,680 of 2026-12-03 had full-length caches), 8,335 answers (6,000 of them cut at NEW_TOKENS), 369 skipped as too
 # long. Merged: 13,468 conversations (3.2x the 4,215 before), committed there and the CARRIED default below.
-# Left: ~3,550 first turns, ~1.5 M new tokens, ~4 minutes at that pace: one short session with call 3 as above but
-# `generate` alone (genab's answer is known; leave it out). The tree now holds that file (9.3 MB), so gpu_carry.sh
-# splits the GGUF in three and prints the `park` call to make between calls 1 and 2.
+# The rest, 3,555 answers (369 more skipped), took 207 s on an H100 later that day
+# (benchmarks/results/h100_generate_rest_and_data1x_2026-12-06): 17,023 conversations, every first turn of the
+# dataset that fits, committed there and the CARRIED default below (the earlier folder's copy, a subset, left the
+# tree). Second turns are not generated. The tree holds that file (10.1 MB), so gpu_carry.sh splits the GGUF in
+# three and prints the `park` call to make between calls 1 and 2.
 #
 # The headline on the 4,215 carried conversations as run on 2026-12-04 (fifth session: one fp8 cache, two drafters
 # side by side at 64 and 16 anchors per sequence, the better one evaluated; 1,583 s of device time with a longer
@@ -184,7 +186,7 @@ PROBE=${PROBE:-0}
 FLAGS=${FLAGS:-0}
 FLAG_VARIANTS=${FLAG_VARIANTS:-sdpa sdpa_compile flex flex_compile}
 BENCH_VARIANTS=${BENCH_VARIANTS:-flex flex_compile sdpa sdpa_compile}
-CARRIED=${CARRIED:-benchmarks/results/h100_generate_4x_2026-12-06/generated.jsonl.gz}  # the newest committed
+CARRIED=${CARRIED:-benchmarks/results/h100_generate_rest_and_data1x_2026-12-06/generated.jsonl.gz}  # the newest committed
 TURNS=${TURNS:-.carry_c/sharegpt_first_turns.jsonl.gz}  # ShareGPT first turns (gpu_carry.sh); needed by generate only
 WAIT=${WAIT:-0}  # pack: seconds to wait for the generate stage to end
 INIT=${INIT:-}  # an exported drafter (folder) every run starts from (--init-from): training goes on across sessions

@@ -353,3 +353,15 @@ def test_gputests_runs_the_tests_marked_gpu_and_only_those(tmp_path: Path) -> No
     assert all(messages == ["needs a CUDA device"] for messages in skipped.values()), skipped
     assert not any(name.startswith("test_variants_train") for name in skipped)  # unmarked tests are left out
     assert "gpu_tests\t" in (tmp_path / "out" / "timings.tsv").read_text()
+
+
+def test_the_carried_default_is_a_committed_file_of_generated_conversations() -> None:
+    """CARRIED's default names the newest committed generation (a stale path would regenerate everything on the GPU)."""
+    import re
+
+    script = (REPO / "benchmarks" / "gpu_pipeline.sh").read_text()
+    default = re.search(r"^CARRIED=\$\{CARRIED:-([^}]+)\}", script, re.MULTILINE)
+    assert default, "gpu_pipeline.sh sets no CARRIED default"
+    records = [json.loads(line) for line in gzip.open(REPO / default.group(1), "rt")]
+    assert len(records) == len({r["id"] for r in records}) > 10_000
+    assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in records)
