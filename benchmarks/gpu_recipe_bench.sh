@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The recipe bench (benchmarks/recipe_bench.py, issue 29) on the lent GPU: one fp8 cache of the committed
-# regenerated conversations ($CARRIED of gpu_pipeline.sh: 13,468 of them since 2026-12-06; the runs before used the
+# regenerated conversations ($CARRIED of gpu_pipeline.sh: all 17,023 since 2026-12-06; the runs before used the
 # 4,215 of CARRIED=benchmarks/results/h200_generate_static/generated.jsonl.gz) with the target's top-32 and its last 5
 # decoder layers (so every question of the issue can use it), then the bench: each variant alone, one after
 # another, at STEPS steps, validation every EVAL_EVERY steps over the whole split, the test split, and live tau
@@ -20,9 +20,9 @@
 #   d, learning rate:              "lr1e-3=;lr2e-3=--lr 2e-3;lr5e-4=--lr 5e-4" (epochs: STEPS, or VARIANT_STEPS)
 #   the loss's second mix weight:  "ce=;mix25=--loss mix --kl-weight 0.25"
 #   the data's size (one cache, the same held-out splits; `dflash train --train-fraction`): all conversations
-#   against as many training sequences as the 4,215 before gave (~3,780: 0.25 of the training band once all ~16,900
-#   are generated, 0.313 of the 13,468), e.g. at 3,000 steps (~22 epochs of the small part):
-#                                  "data1x=--train-fraction 0.25;data4x=" (extracting ~16,900: ~4 min, 55 s for 4,215)
+#   against as many training sequences as the 4,215 before gave (0.25: 3,867 of the 15,340), e.g. at 3,000 steps
+#   (~22 epochs of the small part):
+#                                  "data1x=--train-fraction 0.25;data4x=" (extracting the 17,023: 184 s on an H100)
 # STEPS (600), VARIANT_STEPS
 # ("NAME=STEPS;NAME=STEPS": those variants train their own number of steps instead, each its own cosine schedule
 # over its own length: recipe_bench.py --steps-of; the equal-time comparison below), EVAL_EVERY (200),
