@@ -91,8 +91,8 @@
 # batching (AB_FLAGS) 1,385 (the static path 2.36x); generate then went on with GEN_FLAGS: 3,476,272 new tokens in
 # 465 s with start-up (7,476 tokens/s: two workers of 256 rows, static caches mostly of 1,024 KV positions; the H200's
 # 3,680 of 2026-12-03 had full-length caches), 8,335 answers (6,000 of them cut at NEW_TOKENS), 369 skipped as too
-# long. Merged: 13,468 conversations (3.2x the 4,215 before), committed there and the CARRIED default below.
-# The rest, 3,555 answers (369 more skipped), took 207 s on an H100 later that day
+# long. Merged: 13,468 conversations (3.2x the 4,215 before), committed there (the CARRIED default until the rest).
+# The rest, 3,555 answers (the same 369 skipped again), took 207 s on an H100 later that day
 # (benchmarks/results/h100_generate_rest_and_data1x_2026-12-06): 17,023 conversations, every first turn of the
 # dataset that fits, committed there and the CARRIED default below (the earlier folder's copy, a subset, left the
 # tree). Second turns are not generated. The tree holds that file (10.1 MB), so gpu_carry.sh splits the GGUF in

@@ -230,12 +230,13 @@ def setup_run(options: TrainOptions) -> TrainingRun:
 
 # How many compiled versions torch.compile keeps of one function before it runs new inputs eagerly (torch's default:
 # 8). The decoder layers' forward is one function for every layer and needs more: on an H100 (2026-12-06, a
-# `--attention flex --compile` run of the SmolLM2 drafter, TORCH_LOGS=recompiles) it took 8 versions by step ~100
+# `--attention flex --compile` run of the SmolLM2 drafter, TORCH_LOGS=recompiles) it took 8 versions by step 41
 # (layer 0's input needs no gradient and the later layers' inputs do; static sizes first, then symbolic ones; the
-# packed context length specialised once; inductor's guards on size thresholds, e.g. 576 * tokens >= 5242880) and
-# from there ran new shapes eagerly: unfused, it ran out of memory at step 651 (76.5 GiB against the planned 39.1) and
-# the 3,000 steps took 15.8 minutes with the smaller retried micro-batches. Shapes are bucketed (shape_buckets.py),
-# so the versions stay few; this only lifts the cap above them.
+# packed context length specialised once; inductor's guards on size thresholds, e.g. 576 * tokens >= 5242880), needed
+# a ninth at step ~455 and from there ran new shapes uncompiled; step 651 ran out of memory (76.5 GiB against the
+# planned 39.1; most likely such a shape, unfused) and the rest of the 3,000 steps ran 5x slower in the smaller
+# retried micro-batches (15.8 minutes in all). Shapes are bucketed (shape_buckets.py), so the versions stay few; this
+# only lifts the cap above them.
 LAYER_RECOMPILE_LIMIT = 64
 
 
@@ -261,6 +262,14 @@ class RecompileLimitWatch(logging.Handler):
 
 
 RECOMPILE_LIMIT_WATCH = RecompileLimitWatch()
+
+
+def compile_summary() -> str:
+    """The end-of-run line of a --compile run: the graphs torch.compile made in this process and whether a compiled
+    function reached the recompile limit."""
+    from torch._dynamo.utils import counters
+
+    return f"compile: {counters['stats']['unique_graphs']} graphs compiled{RECOMPILE_LIMIT_WATCH.summary()}"
 
 
 def compile_layers(model: DFlashDraftModel) -> None:

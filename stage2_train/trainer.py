@@ -38,8 +38,8 @@ from dflash.stage2_train.objective import MicroBatch
 from dflash.stage2_train.packed_batches import (STEP_INPUTS, packed_layout, packed_step_inputs, sequence_blocks,
                                                 split_packed_batch)
 from dflash.stage2_train.packed_loader import start_loader, stop_loader
-from dflash.stage2_train.run_setup import (RECOMPILE_LIMIT_WATCH, TrainingRun, TrainOptions,
-                                         one_forward_a_step_under_fsdp, setup_run)
+from dflash.stage2_train.run_setup import (TrainingRun, TrainOptions, compile_summary, one_forward_a_step_under_fsdp,
+                                         setup_run)
 
 log = get_logger(__name__)
 
@@ -97,9 +97,7 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
     steps.close()
     step_log.flush()
     if options.compile:
-        from torch._dynamo.utils import counters
-
-        log.info("compile: %d graphs compiled%s", counters["stats"]["unique_graphs"], RECOMPILE_LIMIT_WATCH.summary())
+        log.info("%s", compile_summary())
     peak = measured_peak_bytes(run.device)
     log.info("memory: planned peak %.2f GiB, measured %.2f GiB above the %.2f GiB in use when planned (%s peak %.2f "
              "GiB)%s", run.memory.planned_peak_bytes / GIB, (peak - run.memory.in_use_bytes) / GIB,

@@ -3,14 +3,19 @@ a run that still reaches it says so (after it, new shapes run uncompiled: on an 
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 import torch._dynamo.config as dynamo_config
+import torch._inductor.config as inductor_config
 
 from dflash.stage2_train.attention_masks import PackedLayout
 from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig
-from dflash.stage2_train.run_setup import LAYER_RECOMPILE_LIMIT, RECOMPILE_LIMIT_WATCH, compile_layers
+from dflash.stage2_train.run_setup import (LAYER_RECOMPILE_LIMIT, RECOMPILE_LIMIT_WATCH, compile_layers,
+                                           compile_summary)
 
 
 def tiny_drafter() -> torch.nn.Module:
@@ -32,10 +37,17 @@ def train_forward(model: torch.nn.Module, context_lengths: list[int]) -> None:
 
 @pytest.fixture
 def fresh_dynamo(monkeypatch: pytest.MonkeyPatch):
+    """compile_layers' global settings are undone after the test (the recompile limit, inductor's split reductions,
+    the watch on torch's logger), so that later tests in this process see torch's defaults."""
     torch._dynamo.reset()
     monkeypatch.setattr(RECOMPILE_LIMIT_WATCH, "functions", [])
+    monkeypatch.setattr(inductor_config, "split_reductions", inductor_config.split_reductions)
+    watched = logging.getLogger("torch._dynamo.convert_frame")
+    had_watch = RECOMPILE_LIMIT_WATCH in watched.handlers
     with dynamo_config.patch(recompile_limit=8):
         yield
+    if not had_watch:
+        watched.removeHandler(RECOMPILE_LIMIT_WATCH)
     torch._dynamo.reset()
 
 
@@ -50,6 +62,8 @@ def test_compile_layers_lifts_the_recompile_limit_and_the_run_reports_reaching_i
         train_forward(model, [20, 30])
     summary = RECOMPILE_LIMIT_WATCH.summary()
     assert "recompile limit was reached 1 time(s)" in summary and "modeling_dflash.py" in summary, summary
+    # The run's closing line (trainer.py logs it; test_train.py's --compile run checks it appears there).
+    assert re.fullmatch(r"compile: \d+ graphs compiled; torch.compile's recompile limit was reached .*", compile_summary())
     with dynamo_config.patch(recompile_limit=LAYER_RECOMPILE_LIMIT + 1):
         compile_layers(model)  # a higher limit someone set is kept
         assert dynamo_config.recompile_limit == LAYER_RECOMPILE_LIMIT + 1
