@@ -111,8 +111,8 @@ def merge(carried: list[dict[str, Any]], finished: Iterable[dict[str, Any]]) -> 
 
 def finished_records(gen_dir: Path) -> list[dict[str, Any]]:
     """What `dflash generate` has finished in `gen_dir` (none yet: no records)."""
-    from dflash.stage1_extract.generate_run import read_finished
-    from dflash.stage1_extract.supervisor import ExtractRefused
+    from dflash.shared.errors import ExtractRefused
+    from dflash.stage1_extract.generate_parts import read_finished
 
     try:
         return list(read_finished(gen_dir).values()) if gen_dir.is_dir() else []

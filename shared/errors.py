@@ -20,6 +20,11 @@ class UserError(Exception):
     """Base class of errors caused by input or options; the message names the input and what to do."""
 
 
+class ExtractRefused(RuntimeError):
+    """A stage-1 run cannot start (cache mismatch, shards locked by another run, bad option, a damaged output of
+    `dflash generate`). Here, not in the supervisor, so that readers of stage 1's outputs need not import torch."""
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """An allocation failure a smaller batch can recover from: CUDA's OutOfMemoryError, or the CPU allocator's
     RuntimeError (a malloc that failed, e.g. under `ulimit -v`; a cgroup's OOM killer raises nothing, which is

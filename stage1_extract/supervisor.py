@@ -22,7 +22,7 @@ from typing import Any
 
 from dflash.shared import cache_format as cf
 from dflash.shared.chat_rendering import rendering_record
-from dflash.shared.errors import UserError
+from dflash.shared.errors import ExtractRefused, UserError
 from dflash.shared.interrupts import interrupt_signal, raise_interrupt
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.output_dirs import refuse_foreign_folder
@@ -45,10 +45,6 @@ from dflash.stage1_extract.worker import ShardTask, WorkerConfig, worker_main
 log = get_logger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 3
-
-
-class ExtractRefused(RuntimeError):
-    """The run cannot start (cache mismatch, shards locked by another run, bad option)."""
 
 
 def confirm_overwrite(out: Path, yes: bool) -> None:

@@ -113,7 +113,7 @@ GENERATE_STUB = r'''
 import gzip, json, os, sys
 from pathlib import Path
 from dflash.shared.output_dirs import foreign_entries
-from dflash.stage1_extract.generate_run import OUTPUT_ENTRIES, PARTS_DIR
+from dflash.stage1_extract.generate_parts import OUTPUT_ENTRIES, PARTS_DIR
 args = sys.argv[1:]
 out, data = Path(args[args.index("--out") + 1]), args[args.index("--data") + 1]
 ids = [json.loads(line)["id"] for line in gzip.open(data, "rt", encoding="utf-8")]
@@ -217,7 +217,7 @@ def test_generation_sessions_add_up_without_regenerating_or_losing_a_conversatio
 AB_STUB = r'''
 import gzip, json, os, sys, time
 from pathlib import Path
-from dflash.stage1_extract.generate_run import PARTS_DIR
+from dflash.stage1_extract.generate_parts import PARTS_DIR
 args = sys.argv[1:]
 out, data = Path(args[args.index("--out") + 1]), args[args.index("--data") + 1]
 ids = [json.loads(line)["id"] for line in gzip.open(data, "rt", encoding="utf-8")]

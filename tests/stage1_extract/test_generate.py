@@ -23,7 +23,8 @@ from dflash.shared import logs
 from dflash.shared.target_loading import load_target_model, load_tokenizer, resolve_target, stop_token_ids
 from dflash.stage1_extract.conversations import Conversation, chat_token_ids
 from dflash.stage1_extract import regenerate as regenerate_module
-from dflash.stage1_extract.generate_run import read_finished, repair_part_file, sample_keys
+from dflash.stage1_extract.generate_parts import read_finished, repair_part_file
+from dflash.stage1_extract.generate_run import sample_keys
 from dflash.stage1_extract.regenerate import (
     FINISH_CONTEXT,
     FINISH_STOP,
