@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from dflash.shared.compile_limits import raise_recompile_limit
 from dflash.shared.errors import UserError, is_out_of_memory
 from dflash.shared.logs import get_logger
 from dflash.stage1_extract.conversations import Conversation, chat_token_ids
@@ -217,12 +218,9 @@ class ConversationRegenerator:
             # One compiled decoding step per (rows, cache length): every length batch_cache_len can give, again for
             # each row count out-of-memory retries may halve to; past torch's recompile limit (8) a new shape would
             # run uncompiled without a word (e.g. --max-length 4096 --max-new-tokens 1024 allows 10 lengths).
-            # (`recompile_limit` since torch 2.7, `cache_size_limit` before.)
             lengths = -(-settings.cache_len // STATIC_CACHE_STEP)
             row_counts = self._static_rows().bit_length()  # the rows, halved down to one
-            dynamo = torch._dynamo.config
-            name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
-            setattr(dynamo, name, max(getattr(dynamo, name), lengths * row_counts + 4))
+            raise_recompile_limit(lengths * row_counts + 4)
 
     def regenerate(self, conversations: list[tuple[str, Conversation]]) -> list[dict[str, Any]]:
         """(key, conversation) pairs -> one output record each, in the same order."""

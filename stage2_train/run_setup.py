@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dflash.shared import cache_format as cf
+from dflash.shared.compile_limits import raise_recompile_limit
 from dflash.shared.errors import UserError
 from dflash.shared.feature_codecs import FeatureCodec, manifest_codec
 from dflash.shared.logs import get_logger, setup_logging
@@ -250,7 +251,7 @@ class RecompileLimitWatch(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if "recompile_limit" in message and "hit config" in message:
+        if message.startswith("torch._dynamo hit config."):  # recompile_limit (cache_size_limit before torch 2.7)
             function = next((line.strip() for line in message.splitlines() if "function:" in line), message)
             self.functions.append(function.removeprefix("function:").strip())
 
@@ -282,12 +283,11 @@ def compile_layers(model: DFlashDraftModel) -> None:
     (unless it is set higher) and hitting it is reported at the run's end (`RECOMPILE_LIMIT_WATCH`)."""
     import os
 
-    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
     if "TORCHINDUCTOR_SPLIT_REDUCTIONS" not in os.environ:
         inductor_config.split_reductions = False
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, LAYER_RECOMPILE_LIMIT)
+    raise_recompile_limit(LAYER_RECOMPILE_LIMIT)
     watched = logging.getLogger("torch._dynamo.convert_frame")
     if RECOMPILE_LIMIT_WATCH not in watched.handlers:
         watched.addHandler(RECOMPILE_LIMIT_WATCH)
