@@ -98,6 +98,9 @@ class TrainingRun:
     total_steps: int
     memory: MemoryPlan | None = None  # how micro-batches are split to fit the device (`plan_memory`)
     out_of_memory_retries: int = 0  # steps that ran out of memory all the same and were retried smaller
+    planned_memory: MemoryPlan | None = None  # the plan made at the start, which `memory` returns to after a retry
+    smaller_memory_until_step: int = 0  # after a retry: the step from which the planned budget is tried again
+    planned_memory_returns: int = 0  # how often it was
     state: TrainState = field(default_factory=TrainState)
     target_init: dict[str, Any] | None = None  # what --init-from-target copied (`target_init.init_from_target`)
     best_tau: float = -math.inf  # the best validation walk tau after step 0 (export_best/)
@@ -217,7 +220,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     options = run.options
     say_oversized_sequences(run)
     make_optimizer(run)
-    run.memory = plan_memory(run)
+    run.memory = run.planned_memory = plan_memory(run)
     if options.compile:
         compile_layers(accelerator.unwrap_model(run.model))
     run.state.plan = plan_inputs(run)

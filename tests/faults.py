@@ -18,6 +18,9 @@ from typing import Any
 OOM_TOKENS_ENV = "DFLASH_FAKE_OOM_TOKENS"  # extract / generate: a forward over more tokens than N runs out
 OOM_SEQUENCES_ENV = "DFLASH_FAKE_OOM_SEQUENCES"  # train: a micro-batch of more than N sequences runs out
 OOM_COPY_SEQUENCES_ENV = "DFLASH_FAKE_OOM_COPY_SEQUENCES"  # train: likewise, while it is copied to the device
+# train: the steps a smaller micro-batch budget holds after a retry (`trainer.SMALLER_MEMORY_STEPS`), so that a
+# short test run returns to the planned budget
+SMALLER_MEMORY_STEPS_ENV = "DFLASH_TEST_SMALLER_MEMORY_STEPS"
 FAULT_SITE = Path(__file__).resolve().parent / "fault_site"
 
 SetAttribute = Callable[[Any, str, Any], None]
@@ -115,3 +118,7 @@ def install_from_environment() -> None:
         fail_training_micro_batches_over(int(os.environ[OOM_SEQUENCES_ENV]))
     if os.environ.get(OOM_COPY_SEQUENCES_ENV):
         fail_training_copies_over(int(os.environ[OOM_COPY_SEQUENCES_ENV]))
+    if os.environ.get(SMALLER_MEMORY_STEPS_ENV):
+        from dflash.stage2_train import trainer
+
+        trainer.SMALLER_MEMORY_STEPS = int(os.environ[SMALLER_MEMORY_STEPS_ENV])

@@ -20,7 +20,7 @@ from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig
 from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch
 from tests.conftest import REPO, run_dflash
-from tests.faults import OOM_COPY_SEQUENCES_ENV, OOM_SEQUENCES_ENV, fault_env
+from tests.faults import OOM_COPY_SEQUENCES_ENV, OOM_SEQUENCES_ENV, SMALLER_MEMORY_STEPS_ENV, fault_env
 from tests.stage2_train.conftest import TEST_ANCHOR_DENSITY, TRAIN_ARGS, final_losses
 
 
@@ -103,10 +103,18 @@ def test_a_step_out_of_memory_is_retried_smaller_to_the_same_losses_or_stops(tra
     assert sorted(got) == sorted(expected) == [1, 2, 3]
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
-    # The same where the micro-batch runs out while it is copied in (before its forward): retried, the same losses.
-    copied = run_dflash(*common, "--out", str(tmp_path / "copied"), env=fault_env(**{OOM_COPY_SEQUENCES_ENV: "1"}))
+    # The same where the micro-batch runs out while it is copied in (before its forward): retried, the same losses;
+    # here the smaller budget holds for one step only: step 2 returns to the planned budget, runs out again (the fake
+    # error is no transient) and is retried again, and the smaller budget then holds twice as long (past step 3).
+    copied = run_dflash(*common, "--out", str(tmp_path / "copied"),
+                        env=fault_env(**{OOM_COPY_SEQUENCES_ENV: "1", SMALLER_MEMORY_STEPS_ENV: "1"}))
     assert copied.returncode == 0, copied.stderr[-3000:]
     assert f"fake out-of-memory error ({OOM_COPY_SEQUENCES_ENV}=1" in copied.stderr
+    assert "the planned budget again after 1 steps" in copied.stderr
+    assert "the planned budget again after 2 steps" in copied.stderr
+    returned = re.findall(r"step (\d+): back to the planned micro-batch budget .* after (\d+) steps in smaller ones",
+                          copied.stderr)
+    assert returned == [("2", "1")]
     got = final_losses(tmp_path / "copied")
     assert sorted(got) == [1, 2, 3] and all(got[s] == pytest.approx(expected[s], rel=1e-4) for s in expected)
     stopped = run_dflash(*common, "--out", str(tmp_path / "stopped"), env=fault_env(**{OOM_SEQUENCES_ENV: "0"}))
