@@ -4,7 +4,7 @@
 # 4,215 of CARRIED=benchmarks/results/h200_generate_static/generated.jsonl.gz) with the target's top-32 and its last 5
 # decoder layers (so every question of the issue can use it), then the bench: each variant alone, one after
 # another, at STEPS steps, validation every EVAL_EVERY steps over the whole split, the test split, and live tau
-# (MT-Bench and HumanEval, 20 prompts x 512 new tokens) of the baseline and the best. Run from the repository root
+# (MT-Bench and HumanEval, 80 prompts x 512 new tokens) of the baseline and the best. Run from the repository root
 # after `gpu_pipeline.sh setup model`; meant to be started detached, so that short calls can poll:
 #
 #   bash benchmarks/gpu_recipe_bench.sh            the cache (unless made already), then the bench, into $OUT/bench
@@ -31,7 +31,7 @@
 # machine's first compilation: 91 s of the fast variant's 170 s on 2026-12-06; 3 covers the first shapes; ~40 s a
 # variant), SEEDS ("0,1,2": every variant trained once per seed,
 # runs NAME@sSEED, all variants at a seed before the next; the table adds each variant's mean over seeds and its
-# difference to the baseline paired by seed; default: one run per variant at seed 0), LIVE_SAMPLES (20),
+# difference to the baseline paired by seed; default: one run per variant at seed 0), LIVE_SAMPLES (80),
 # LIVE_TOKENS (512), LIVE_FLAGS, and RESULTS_FROM: a folder of an earlier bench's results/*.json (carried in the
 # tree, e.g. from a lost machine's state.tgz): they are copied into $OUT/bench/results first, and the bench skips
 # every run whose result is complete there.
@@ -57,8 +57,8 @@
 # fast variant runs after the plain one, so on a fresh machine it compiles cold.
 # Follow-ups on the same machine, each alone on the GPU after the bench, in this order (each optional):
 #   EVAL_ALONE=1    `dflash eval` of the best variant's drafter with its baselines (plain greedy, prompt lookup) on
-#                   MT-Bench and HumanEval, LIVE_SAMPLES x LIVE_TOKENS, alone: wall time per dataset, tokens/s,
-#                   speedup (issue 31) -> $OUT/eval_alone
+#                   MT-Bench and HumanEval, EVAL_ALONE_SAMPLES (20, issue 31's measure) x LIVE_TOKENS, alone: wall
+#                   time per dataset, tokens/s, speedup (issue 31) -> $OUT/eval_alone
 #   EVAL_DECODE=1   benchmarks/bench_eval_decode.py on that drafter: dynamic vs fast decode path, and the
 #                   Qwen3-8B-shaped verify cost (EVAL_DECODE_FLAGS) -> $OUT/eval_decode
 #   WARM_STEPS=N    a second bench ($OUT/bench_warm), N steps from the baseline's best drafter (--init-from): DFlash
@@ -120,7 +120,7 @@ EVAL_EVERY=${EVAL_EVERY:-200}
 # variant's flags for the plain path.
 TRAIN_FLAGS=${TRAIN_FLAGS:-"--lr 1e-3 --batch-tokens 49152 --num-workers 6 --attention flex --compile"}
 UNTIMED_STEPS=${UNTIMED_STEPS:-50}
-LIVE_SAMPLES=${LIVE_SAMPLES:-20}
+LIVE_SAMPLES=${LIVE_SAMPLES:-80}
 LIVE_TOKENS=${LIVE_TOKENS:-512}
 LIVE_FLAGS=${LIVE_FLAGS:-"--no-baselines --threads 2"}
 RESULTS_FROM=${RESULTS_FROM:-}
@@ -168,7 +168,7 @@ best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"] 
 drafter=$BENCH/runs/$best$run_suffix/export_best
 baseline=$BENCH/runs/${variant_args[1]%%=*}$run_suffix/export_best
 if [ "${EVAL_ALONE:-0}" = 1 ] && [ -f "$drafter/config.json" ]; then
-    python3 -m dflash.shared.cli eval --draft "$drafter" --data mtbench,humaneval --max-samples "$LIVE_SAMPLES" \
+    python3 -m dflash.shared.cli eval --draft "$drafter" --data mtbench,humaneval --max-samples "${EVAL_ALONE_SAMPLES:-20}" \
         --max-new-tokens "$LIVE_TOKENS" --out "$OUT/eval_alone" >"$OUT/eval_alone.out" 2>&1
     stage "eval alone of $best (exit $?)"
 fi

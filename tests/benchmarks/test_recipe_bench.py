@@ -496,7 +496,7 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
     assert args[args.index("--steps") + 1] == "300" and args[args.index("--out") + 1] == str(out / "bench")
     assert args[args.index("--seeds") + 1] == "0,1,2" and args[args.index("--warm-up-steps") + 1] == "3"
     assert [args[i + 1] for i, a in enumerate(args) if a == "--steps-of"] == ["mix25=710", "ce=300"]
-    assert args[args.index("--live-samples") + 1] == "20" and args[args.index("--live-new-tokens") + 1] == "512"
+    assert args[args.index("--live-samples") + 1] == "80" and args[args.index("--live-new-tokens") + 1] == "512"
     assert call["results_held"] == ["ce.json"]  # the carried results were there before the bench started
     assert "recipe bench done (exit 0)" in (out / "recipe_bench_stages.tsv").read_text()
     back = tmp_path / "back"
