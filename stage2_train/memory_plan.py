@@ -177,6 +177,17 @@ def _group_free_bytes(folder: Path, limit_file: str, usage_file: str, inactive_k
 
 
 @dataclass(frozen=True)
+class SmallerBudgetHold:
+    """After a training step ran out of memory (`trainer.retry_smaller`): the smaller plan holds until `until_step`
+    (a run's completed steps), `steps` after the retry that set it; `since_step` is when the first of its retries
+    ran out (steps completed then)."""
+
+    until_step: int
+    steps: int
+    since_step: int
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """How many parts each micro-batch of a run is split into, and the figures behind it."""
 

@@ -33,7 +33,7 @@ from dflash.stage2_train.draft_config import DFLASH2_DEFAULTS, DFlashConfig, con
 from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch, rank_plan
 from dflash.stage2_train.modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from dflash.stage2_train.loss import default_gamma, position_weights
-from dflash.stage2_train.memory_plan import (GIB, SAFETY, DrafterShape, MemoryPlan, in_use_bytes,
+from dflash.stage2_train.memory_plan import (GIB, SAFETY, DrafterShape, MemoryPlan, SmallerBudgetHold, in_use_bytes,
                                              limit_from_option, make_plan, step_bytes)
 from dflash.stage2_train.objective import NEEDS_TARGET_TOPK, Objective, check_cache_for, make_objective
 from dflash.stage2_train.options import TrainOptions
@@ -99,8 +99,8 @@ class TrainingRun:
     memory: MemoryPlan | None = None  # how micro-batches are split to fit the device (`plan_memory`)
     out_of_memory_retries: int = 0  # steps that ran out of memory all the same and were retried smaller
     planned_memory: MemoryPlan | None = None  # the plan made at the start, which `memory` returns to after a retry
-    smaller_memory_until_step: int = 0  # after a retry: the step from which the planned budget is tried again
-    planned_memory_returns: int = 0  # how often it was
+    memory_hold: SmallerBudgetHold | None = None  # the last retry's smaller plan: how long it holds (not checkpointed)
+    planned_memory_returns: int = 0  # how often `memory` went back to `planned_memory`
     state: TrainState = field(default_factory=TrainState)
     target_init: dict[str, Any] | None = None  # what --init-from-target copied (`target_init.init_from_target`)
     best_tau: float = -math.inf  # the best validation walk tau after step 0 (export_best/)

@@ -33,7 +33,7 @@ from dflash.stage2_train.eval_set import eval_sequences
 from dflash.stage2_train.modeling_dflash import DFlashDraftModel
 from dflash.stage2_train.export import export_draft, load_draft
 from dflash.stage2_train.loss import selector_loss, weight_sum
-from dflash.stage2_train.memory_plan import GIB, measured_peak_bytes
+from dflash.stage2_train.memory_plan import GIB, SmallerBudgetHold, measured_peak_bytes
 from dflash.stage2_train.objective import MicroBatch
 from dflash.stage2_train.packed_batches import (STEP_INPUTS, packed_layout, packed_step_inputs, sequence_blocks,
                                                 split_packed_batch)
@@ -361,8 +361,8 @@ def train_step(run: TrainingRun, loader_batches: list[dict[str, Any]],
 
     A step that runs out of memory all the same (another process on the GPU grew after the plan was made, say) is
     not lost: its gradients are dropped and it is run again from the same loader batches cut into smaller
-    micro-batches, which gives the same update; the smaller budget holds for `SMALLER_MEMORY_STEPS` steps, then the
-    planned one is tried again. Only where every micro-batch is already a single sequence, or where several
+    micro-batches, which gives the same update; the smaller budget holds for `SMALLER_MEMORY_STEPS` steps (twice as
+    many if it ran out again soon after the last return), then the planned one is tried again. Only where every micro-batch is already a single sequence, or where several
     processes train together (the others could not follow the retry), does it stop, in one line naming the flags."""
     return_to_planned_memory(run)
     while True:
@@ -382,24 +382,40 @@ def train_step(run: TrainingRun, loader_batches: list[dict[str, Any]],
 
 
 # After a step ran out of memory, its smaller micro-batch budget holds for this many steps, then the planned budget
-# is tried again (for twice as many steps after each return). Keeping the smaller budget for the rest of the run cost
-# a real run dearly: on an H100 on 2026-12-06 one step that ran out of memory (most likely a shape run unfused past
-# torch.compile's recompile limit) left the run's other 2,349 steps in micro-batches budgeted 7.3 GiB instead of
-# 62.4, at 0.307 s a step against 0.061 before (h100_generate_rest_and_data1x_2026-12-06; the uncompiled shapes
-# there cost their share too). What ran out once, a transient peak or another process's growth, is often gone later.
+# is tried again; a step that runs out again within as many steps of that return doubles the hold, one later starts
+# from this again. Keeping the smaller budget for the rest of the run cost a real run dearly: on an H100 on
+# 2026-12-06 one step that ran out of memory (most likely a shape run unfused past torch.compile's recompile limit)
+# left the run's other 2,349 steps in micro-batches budgeted 7.3 GiB instead of 62.4, at 0.307 s a step against
+# 0.061 before (h100_generate_rest_and_data1x_2026-12-06; the uncompiled shapes there cost their share too). What ran
+# out once, a transient peak or another process's growth, is often gone later.
 SMALLER_MEMORY_STEPS = 500
 
 
 def return_to_planned_memory(run: TrainingRun) -> None:
-    """The planned micro-batch budget again, once the smaller one after a retry has held its steps."""
-    if run.memory is run.planned_memory or run.state.step < run.smaller_memory_until_step:
+    """The planned micro-batch budget again, once the smaller one after a retry has held its steps. (A resumed run
+    starts from the planned budget: the hold is not checkpointed.)"""
+    hold = run.memory_hold
+    if hold is None or run.planned_memory is None or run.memory is run.planned_memory:
         return
-    assert run.memory is not None and run.planned_memory is not None
+    if run.state.step < hold.until_step:
+        return
+    assert run.memory is not None
     log.info("step %d: back to the planned micro-batch budget (%.2f GiB, from %.2f) after %d steps in smaller ones",
              run.state.step + 1, run.planned_memory.budget_bytes / GIB, run.memory.budget_bytes / GIB,
-             SMALLER_MEMORY_STEPS * 2 ** run.planned_memory_returns)
+             run.state.step - hold.since_step)
     run.memory = run.planned_memory
     run.planned_memory_returns += 1
+
+
+def smaller_budget_hold(run: TrainingRun) -> SmallerBudgetHold:
+    """How long the smaller plan of a retry at this step holds (`SMALLER_MEMORY_STEPS`)."""
+    step, hold = run.state.step, run.memory_hold
+    if hold is not None and run.memory is not run.planned_memory:  # out of memory again while it holds: restarted
+        return SmallerBudgetHold(until_step=step + hold.steps, steps=hold.steps, since_step=hold.since_step)
+    steps = SMALLER_MEMORY_STEPS
+    if hold is not None and step < hold.until_step + hold.steps:  # soon after the planned budget came back
+        steps = 2 * hold.steps
+    return SmallerBudgetHold(until_step=step + steps, steps=steps, since_step=step)
 
 
 def retry_smaller(run: TrainingRun, loader_batches: list[dict[str, Any]], reason: str) -> None:
@@ -415,13 +431,12 @@ def retry_smaller(run: TrainingRun, loader_batches: list[dict[str, Any]], reason
                         "--anchor-density, or train fewer --draft-layers; --resume continues from the last "
                         "checkpoint")
     run.out_of_memory_retries += 1
-    hold = SMALLER_MEMORY_STEPS * 2 ** run.planned_memory_returns
+    hold = smaller_budget_hold(run)
     log.warning("training step %d ran out of memory on %s (%s): retrying it in smaller micro-batches (budget %.2f "
                 "GiB per micro-batch, was %.2f), the same samples and the same update; the planned budget again "
                 "after %d steps", run.state.step + 1, run.device, reason, smaller.budget_bytes / GIB,
-                run.memory.budget_bytes / GIB, hold)
-    run.memory = smaller
-    run.smaller_memory_until_step = run.state.step + hold
+                run.memory.budget_bytes / GIB, hold.steps)
+    run.memory, run.memory_hold = smaller, hold
 
 
 @dataclass

@@ -125,6 +125,43 @@ def test_a_step_out_of_memory_is_retried_smaller_to_the_same_losses_or_stops(tra
     assert "Traceback" not in stopped.stderr
 
 
+def test_the_smaller_budget_holds_its_steps_and_doubles_only_when_the_return_runs_out_again() -> None:
+    """After a retry the smaller plan holds `SMALLER_MEMORY_STEPS` steps, then the planned one comes back; running
+    out again while it holds restarts the hold at its length, running out soon after a return doubles it, and
+    running out long after a return starts again from `SMALLER_MEMORY_STEPS`."""
+    from types import SimpleNamespace
+
+    from dflash.stage2_train import trainer
+
+    base = trainer.SMALLER_MEMORY_STEPS
+    planned, smaller = SimpleNamespace(budget_bytes=8 << 30), SimpleNamespace(budget_bytes=1 << 30)
+    run = SimpleNamespace(planned_memory=planned, memory=planned, memory_hold=None, planned_memory_returns=0,
+                          state=SimpleNamespace(step=10))
+
+    def run_out_at(step: int) -> None:
+        run.state.step = step
+        run.memory, run.memory_hold = smaller, trainer.smaller_budget_hold(run)
+
+    def step_to(step: int) -> None:
+        run.state.step = step
+        trainer.return_to_planned_memory(run)
+
+    run_out_at(10)
+    assert (run.memory_hold.until_step, run.memory_hold.steps, run.memory_hold.since_step) == (10 + base, base, 10)
+    run_out_at(300)  # again while it holds: the same length from here
+    assert (run.memory_hold.until_step, run.memory_hold.steps, run.memory_hold.since_step) == (300 + base, base, 10)
+    step_to(300 + base - 1)
+    assert run.memory is smaller and run.planned_memory_returns == 0
+    step_to(300 + base)
+    assert run.memory is planned and run.planned_memory_returns == 1
+    run_out_at(300 + 2 * base - 1)  # soon after the return: twice as long
+    assert run.memory_hold.steps == 2 * base
+    step_to(run.memory_hold.until_step)
+    assert run.memory is planned and run.planned_memory_returns == 2
+    run_out_at(run.memory_hold.until_step + 2 * base)  # long after it: from the start again
+    assert run.memory_hold.steps == base
+
+
 @settings(max_examples=25, deadline=None)
 @given(lengths=st.lists(st.integers(1, 2000), min_size=1, max_size=30), data=st.data())
 def test_each_out_of_memory_retry_halves_the_budget_until_single_sequences(lengths: list[int], data: st.DataObject) -> None:
