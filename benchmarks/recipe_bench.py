@@ -17,7 +17,8 @@ seed, the split) are refused up front. Then live tau (`dflash eval --no-baseline
 HumanEval, 80 prompts x 512 new tokens, no time limit) for the baseline and for the best variant by best
 validation tau, one process per variant and dataset, side by side (tau does not depend on speed). 80, not 20: on
 2026-12-06 one drafter's live MT-Bench tau was 2.69 +- 0.20 over the first 20 prompts and 2.54 +- 0.11 over all 80
-(benchmarks/results/h100_data_size_2026-12-06); 80 prompts of both datasets took ~110 s on an H100.
+(benchmarks/results/h100_data_size_2026-12-06); there one drafter's 80 prompts of both datasets, evaluated at
+once with --compile-target, took ~110 s on an H100 with compilation (the bench's baseline and best: four at once).
 
 Replicates (`--seeds 0,1,2`, instead of `--seed`): every variant is trained once per seed, as run NAME@sSEED (every
 variant at the first seed, then every variant at the next, so that a machine lost mid-way leaves whole
