@@ -33,8 +33,8 @@ from dflash.stage2_train.draft_config import DFLASH2_DEFAULTS, DFlashConfig, con
 from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch, rank_plan
 from dflash.stage2_train.modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from dflash.stage2_train.loss import default_gamma, position_weights
-from dflash.stage2_train.memory_plan import (GIB, SAFETY, DrafterShape, MemoryPlan, SmallerBudgetHold, in_use_bytes,
-                                             limit_from_option, make_plan, step_bytes)
+from dflash.stage2_train.memory_plan import (GIB, SAFETY, DrafterShape, MemoryPlan, SmallerBudgetHold,
+                                             in_use_bytes, limit_from_option, make_plan, step_bytes)
 from dflash.stage2_train.objective import NEEDS_TARGET_TOPK, Objective, check_cache_for, make_objective
 from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.packed_batches import CacheBatches

@@ -362,8 +362,9 @@ def train_step(run: TrainingRun, loader_batches: list[dict[str, Any]],
     A step that runs out of memory all the same (another process on the GPU grew after the plan was made, say) is
     not lost: its gradients are dropped and it is run again from the same loader batches cut into smaller
     micro-batches, which gives the same update; the smaller budget holds for `SMALLER_MEMORY_STEPS` steps (twice as
-    many if it ran out again soon after the last return), then the planned one is tried again. Only where every micro-batch is already a single sequence, or where several
-    processes train together (the others could not follow the retry), does it stop, in one line naming the flags."""
+    many if it ran out again soon after the last return), then the planned one is tried again. Only where every
+    micro-batch is already a single sequence, or where several processes train together (the others could not
+    follow the retry), does it stop, in one line naming the flags."""
     return_to_planned_memory(run)
     while True:
         try:  # the copies to the device and the feature decoding can run out of memory too
