@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build the ignored folders that `benchmarks/gpu_pipeline.sh` carries to the GPU machine (run here, from the
 # repository root, after `make install`): the device has no network and no zarr / numcodecs / gguf, and one call
-# carries at most 64 MiB, so the 98 MB GGUF travels in parts split over two calls.
+# carries at most 64 MiB, so the 98 MB GGUF travels in parts split over two calls (three once the tree has grown).
 #
 #   .whl/      Python 3.12 wheels of what the GPU machine lacks, and SpecForge's with what it imports (call 1, `setup`)
-#   .carry_a/  the GGUF's first half                                        (call 1, `setup`)
+#   .carry_a/  the GGUF's first part (as large as call 1 allows in three parts) (call 1, `setup`)
 #   .carry_b/  the GGUF's last part, its sha256, the HumanEval / MT-Bench files (call 2, `model`; 60 MiB with the
 #              tree)
 #   .carry_d/  the GGUF's middle part, only when the tree is too large for two calls (a call of its own before
@@ -40,18 +40,26 @@ gguf=$($PY -c 'from dflash.shared.embedded import smollm2_gguf; print(smollm2_gg
 # the middle one takes a call of its own (`park`, .carry_d/). The sum of the whole file lets `model` check the join.
 rm -rf .carry_d && rm -f .carry_b/gguf.a? .carry_b/gguf.sha256
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
-calls=$($PY - "$gguf" "$tree" "${GGUF_PART:-44000000}" <<'SIZES'
+# The parts: in two calls the first (with the wheels) is GGUF_PART bytes; in three the first is as large as the
+# setup call allows, at most a third, and the rest is halved between park and model.
+$PY - "$gguf" "$tree" "${GGUF_PART:-44000000}" <<'PARTS'
 import os, sys
 from pathlib import Path
 gguf, tree, part = os.path.getsize(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 budget = 63 * 2**20  # a call carries at most 64 MiB; one left for what changes before the session
 wheels = sum(f.stat().st_size for f in Path(".whl").iterdir())
-two = tree + wheels + part <= budget and tree + gguf - part + 2**20 <= budget
-print(f"2 {part}" if two else f"3 {-(-gguf // 3)}")
-SIZES
-)
-(cd .carry_a && split -b "${calls#* }" "$gguf" gguf. && mv gguf.a[b-z] ../.carry_b/)
-if [ "${calls% *}" = 3 ]; then mkdir -p .carry_d && mv .carry_b/gguf.ab .carry_d/; fi
+if tree + wheels + part <= budget and tree + gguf - part + 2**20 <= budget:
+    sizes, folders = [part, gguf - part], [".carry_a", ".carry_b"]
+else:
+    first = min(-(-gguf // 3), budget - tree - wheels)
+    sizes, folders = [first, (gguf - first) // 2, gguf - first - (gguf - first) // 2], [".carry_a", ".carry_d", ".carry_b"]
+    if first <= 0 or max(sizes[1:]) + tree + 2**20 > budget:
+        sys.exit(f"gpu_carry.sh: the {tree:,}-byte tree leaves too little of a call's 64 MiB for the GGUF in three parts")
+with open(sys.argv[1], "rb") as source:
+    for name, size, folder in zip(("gguf.aa", "gguf.ab", "gguf.ac"), sizes, folders):
+        Path(folder).mkdir(exist_ok=True)
+        Path(folder, name).write_bytes(source.read(size))
+PARTS
 sha256sum <"$gguf" | cut -d' ' -f1 >.carry_b/gguf.sha256
 $PY - <<'EOF'
 import shutil
