@@ -28,14 +28,14 @@ def test_default_flags_train_and_report_the_memory_plan(train_cache: Path, tmp_p
     """`dflash train --cache C --out R` with every flag at its default (steps bounded by --max-steps) trains the
     5-layer drafter, exports it, and logs its planned and measured memory peaks."""
     run = tmp_path / "run"
-    result = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--max-steps", "2")
+    result = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--max-steps", "1")  # ~15 s a step
     assert result.returncode == 0, result.stderr[-3000:]
     log = (run / "train.log").read_text()
     planned, measured, in_use = (float(x) for x in re.search(
         r"planned peak ([\d.]+) GiB, measured ([\d.]+) GiB above the ([\d.]+) GiB in use", log).groups())
     assert 0 < measured <= planned and 0 < in_use  # the plan errs on the high side
     config = json.loads((run / "export" / "config.json").read_text())
-    assert config["num_hidden_layers"] == 5 and sorted(final_losses(run)) == [1, 2]
+    assert config["num_hidden_layers"] == 5 and sorted(final_losses(run)) == [1]
 
 
 PLAN_ARGS = ("--max-steps", "3", "--eval-every", "0", "--checkpoint-every", "0", *TRAIN_ARGS)
