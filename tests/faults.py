@@ -1,13 +1,13 @@
 """Out-of-memory errors the tests inject into dflash, so that its retries are tested on any machine.
 
 Each fault replaces one function of the product by a wrapper that raises `torch.OutOfMemoryError` where the real
-device would run out, and otherwise calls the original; the product itself knows nothing of them. One more
-variable is no fault but sets how long training keeps a smaller budget after a retry, so that a short run shows the
-return to the planned one. In the test's
-own process a test installs a fault with `monkeypatch.setattr` as `set_attribute`. A `dflash` command gets the
-faults named in the environment `fault_env` makes: `install_from_environment` runs in the command's process
-(forked: `tests/forked_cli.py`), and in every process started with that environment (a fresh interpreter, the
-workers extract spawns) through `tests/fault_site/sitecustomize.py`, which the environment's PYTHONPATH names.
+device would run out, and otherwise calls the original; the product itself knows nothing of them. One more variable
+is no fault but sets how long training keeps a smaller budget after a retry, so that a short run shows the return to
+the planned one. In the test's own process a test installs a fault with `monkeypatch.setattr` as `set_attribute`. A
+`dflash` command gets the faults named in the environment `fault_env` makes: `install_from_environment` runs in the
+command's process (forked: `tests/forked_cli.py`), and in every process started with that environment (a fresh
+interpreter, the workers extract spawns) through `tests/fault_site/sitecustomize.py`, which the environment's
+PYTHONPATH names.
 """
 
 from __future__ import annotations
