@@ -257,10 +257,10 @@ def export_command(run_dir: Path, checkpoint: Path | None, out: Path | None) -> 
                    "forwards (CUDA-graphed on GPUs); dynamic = transformers' DynamicCache; auto = static on CUDA, "
                    "dynamic on CPU. Hybrid linear-attention targets (Qwen3-Next, Qwen3.5) decode statically too.")
 @click.option("--compile-target", is_flag=True,
-              help="On the static path, compile the target's one-token step and DFlash's verify block with "
-                   "torch.compile before capturing them: plain and speculative decoding ran 2.2x faster on an H100 "
-                   "(SmolLM2-135M), for ~35 s more warm-up; tokens may differ from the uncompiled path's at bf16 "
-                   "near-ties. Prompt lookup's wider verify blocks stay uncompiled.")
+              help="On the static path, compile the target's one-token step and the verify blocks (DFlash's, and "
+                   "prompt lookup's, padded to one width) with torch.compile before capturing them: plain and "
+                   "speculative decoding ran 2.2x faster on an H100 (SmolLM2-135M), for ~35 s more warm-up; tokens "
+                   "may differ from the uncompiled path's at bf16 near-ties.")
 def eval_command(draft_dir: Path, data: str, out: Path, max_samples: int, max_new_tokens: int, temperature: float,
                  model: str | None, threads: int, seed: int, allow_target_mismatch: bool, dtype: str,
                  baselines: bool, chat_template: Path | None, chat_template_kwargs: dict | None,

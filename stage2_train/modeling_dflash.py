@@ -826,8 +826,9 @@ class TargetRunner:
         self.compile_failure: str | None = None
         self._compiled_steps: dict[int, CompiledForward] = {}  # width -> its compiled `_static_step`
         # The widths compiled with COMPILE_TARGET: the one-token step and the verify blocks a loop names (DFlash's
-        # block size); others (prompt lookup's 2..11) run eagerly in their graphs. Every width of every runner is
-        # one more entry of one code object, and past torch.compile's recompile limit (8) fullgraph compilation fails.
+        # block size, prompt lookup's padded width); others (a hybrid target's rollback refeeds) run eagerly in
+        # their graphs. Every width of every runner is one more entry of one code object, and past torch.compile's
+        # recompile limit (8) fullgraph compilation fails.
         self.compile_widths: set[int] = {1}
 
     @contextmanager

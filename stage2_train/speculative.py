@@ -102,6 +102,15 @@ def prompt_lookup_generate(
         max_matching_ngram_size=max_ngram, max_length=len(prompt) + max_new_tokens)
     runner = target_runner(target, (), max(len(prompt) + max_new_tokens + num_tokens + 1, capacity), decode,
                            planned=capacity > 0)
+    # On the static path every block with proposals is verified at one width, num_tokens + 1 (the proposals padded
+    # by repeating the last; what the padding computes is never read, and the rollback cuts it), so that one
+    # fixed-width forward serves every step: one compiled graph under COMPILE_TARGET instead of ten eager widths,
+    # whose figure undersold prompt lookup beside the compiled DFlash and plain loops. The padding costs little at
+    # batch 1 on a GPU, where a forward is bound by reading the weights: a 16-token verify forward took 1.10x a
+    # one-token step on SmolLM2-135M and 1.16x on a Qwen3-8B shape (H100, 2026-12-06, docs/benchmarks.md).
+    padded_width = num_tokens + 1 if runner.capacity is not None else 0
+    if padded_width:
+        runner.compile_widths.add(padded_width)
     synchronize(runner.device)
     started = time.perf_counter()
     logits, _ = runner.forward(prompt, 0, last_only=True)
@@ -112,9 +121,13 @@ def prompt_lookup_generate(
     done = bonus in stops or len(tokens) >= max_new_tokens
     while not done:
         found, _ = finder.get_candidates(torch.tensor([sequence]))
-        block = torch.tensor([bonus, *found[0, len(sequence):].tolist()], device=runner.device)
+        proposal = [bonus, *found[0, len(sequence):].tolist()]
+        width = len(proposal)
+        if padded_width and width > 1:
+            proposal += [proposal[-1]] * (padded_width - width)
+        block = torch.tensor(proposal, device=runner.device)
         target_logits, _ = runner.verify(block, start)
-        n_acc, emitted = verify_greedy(block[1:], target_logits)
+        n_acc, emitted = verify_greedy(block[1:width], target_logits[:width])
         next_token = emitted[-1]
         emitted, done = clip_step(emitted, max_new_tokens - len(tokens), stops)
         tokens.extend(emitted)
@@ -134,11 +147,13 @@ def prompt_lookup_generate(
 @torch.inference_mode()
 def prewarm_prompt_lookup(target: nn.Module, capacity: int, decode: str = "auto",
                           num_tokens: int = PROMPT_LOOKUP_TOKENS) -> None:
-    """Capture every verify width prompt lookup may use (1 to ``num_tokens`` + 1) on the runner its generations of
-    ``capacity`` positions will use, so that no capture falls inside a timed generation (one step of a warm-up
-    generation sees one or two widths)."""
+    """Capture (and, under COMPILE_TARGET, compile) every forward width prompt lookup may use on the runner its
+    generations of ``capacity`` positions will use, so that none falls inside a timed generation: the one-token step
+    and the padded verify block (``num_tokens`` + 1), and on a hybrid target the widths its rollbacks feed again."""
     runner = target_runner(target, (), capacity, decode, planned=capacity > 0)
-    runner.prewarm(range(1, num_tokens + 2))
+    runner.compile_widths.add(num_tokens + 1)
+    runner.prewarm((1, num_tokens + 1))
+    runner.prewarm_rollbacks(num_tokens + 1)
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

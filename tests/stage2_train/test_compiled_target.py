@@ -66,12 +66,13 @@ def test_the_compiled_target_decodes_as_the_eager_static_path(family_targets: di
         assert plain.decode == fast.decode == "static"
         assert plain_compiled.decode == fast_compiled.decode == "static, compiled target"
     assert len({t for plain, _ in results[False] for t in plain.tokens}) > 2  # not one repeated token
-    # Prompt lookup's verify blocks (2..11 tokens) run eagerly: only the one-token step and DFlash's block compile,
-    # so that the widths stay under torch.compile's recompile limit.
+    # Prompt lookup's verify blocks (2..11 tokens) are padded to one width, compiled like DFlash's block: the
+    # one-token step, DFlash's block and prompt lookup's padded block, so the widths stay under torch.compile's
+    # recompile limit.
     lookup = spec.prompt_lookup_generate(target, PROMPTS[0], 20, [2], decode="static")
     assert lookup.tokens == results[True][0][0].tokens and lookup.decode == "static, compiled target"
     assert any(a > 0 for a in lookup.accepted)  # it verified blocks wider than one token
-    for layer_ids, widths in (([], [1]), (LAYER_IDS, [BLOCK])):
+    for layer_ids, widths in (([], [1, spec.PROMPT_LOOKUP_TOKENS + 1]), (LAYER_IDS, [BLOCK])):
         runner = static_runner(target, layer_ids, compiled=True)
         assert runner.compiled and runner.compile_failure is None and sorted(runner._compiled_steps) == widths
     assert counters["stats"]["unique_graphs"] >= 2

@@ -199,9 +199,10 @@ def decode_with_planted_drafts(target: torch.nn.Module, draft: loop.DFlashDraftM
 @pytest.mark.parametrize("family", ["llama", *HYBRIDS])
 def test_prompt_lookup_stays_lossless_when_its_proposals_are_accepted_in_part(targets: dict, family: str,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompt lookup with proposals of varying lengths (verify widths 2 to 8) taken from the target's own greedy
+    """Prompt lookup with proposals of varying lengths (blocks of 2 to 8 tokens) taken from the target's own greedy
     continuation, with a wrong token planted at varying offsets: on both paths its tokens equal plain decoding and
-    each step accepts what was planted, so hybrid targets roll back to several kept lengths inside a block."""
+    each step accepts what was planted, so hybrid targets roll back to several kept lengths inside a block. The
+    dynamic path verifies each block as it is; the static path pads every block to one width (one graph)."""
     from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
     target = targets[family]
@@ -219,13 +220,24 @@ def test_prompt_lookup_stays_lossless_when_its_proposals_are_accepted_in_part(ta
         return torch.tensor([sequence + proposal]), None
 
     monkeypatch.setattr(PromptLookupCandidateGenerator, "get_candidates", oracle)
+    verify = loop.TargetRunner.verify
+    widths: list[int] = []
+
+    def recorded(self: loop.TargetRunner, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        widths.append(int(ids.numel()))
+        return verify(self, ids, start)
+
+    monkeypatch.setattr(loop.TargetRunner, "verify", recorded)
     for decode in ("dynamic", "static"):
         calls = [0]
+        widths.clear()
         lookup = spec.prompt_lookup_generate(target, prompt, 40, [], decode=decode)
         assert lookup.tokens == reference[:40] and lookup.decode.startswith(decode), decode
         planned = [plans[i % len(plans)][1] for i in range(len(lookup.accepted))]
         expected = [plans[i % len(plans)][0] if wrong is None else wrong for i, wrong in enumerate(planned)]
         assert lookup.accepted[:-1] == expected[:-1], decode
+        proposed = [plans[i % len(plans)][0] + 1 for i in range(len(widths))]
+        assert widths == (proposed if decode == "dynamic" else [spec.PROMPT_LOOKUP_TOKENS + 1] * len(widths))
 
 
 def test_static_drafter_context_equals_the_dynamic_one(targets: dict) -> None:
@@ -366,8 +378,9 @@ def test_static_capacity_fits_what_is_needed_with_bounded_slack(needed: int) -> 
 
 @pytest.mark.gpu
 def test_prompt_lookups_verify_widths_are_captured_before_its_generations(tmp_path: Path) -> None:
-    """On a GPU: `prewarm_prompt_lookup` (dflash eval's warm-up) captures every verify width prompt lookup may use,
-    so its generations capture nothing inside their timing, and give plain greedy decoding's tokens after it."""
+    """On a GPU: `prewarm_prompt_lookup` (dflash eval's warm-up) captures both forward widths prompt lookup uses
+    (the one-token step and its padded verify block), so its generations capture nothing inside their timing, and
+    give plain greedy decoding's tokens after it."""
     from transformers import AutoModelForCausalLM
 
     from dflash.shared.target_loading import resolve_target
@@ -377,7 +390,7 @@ def test_prompt_lookups_verify_widths_are_captured_before_its_generations(tmp_pa
     spec.prewarm_prompt_lookup(target, 256, "auto")
     (runner,) = target.__dict__["_dflash_static_runners"].values()
     captured = {key for key, forward in runner._forwards.items() if forward.graph is not None}
-    assert {(width, False) for width in range(1, spec.PROMPT_LOOKUP_TOKENS + 2)} <= captured
+    assert {(1, False), (spec.PROMPT_LOOKUP_TOKENS + 1, False)} <= captured
     prompt = list(range(300, 320)) * 3  # repeats: prompt lookup finds proposals of several lengths
     lookup = spec.prompt_lookup_generate(target, prompt, 40, [], capacity=256)
     assert set(runner._forwards) == captured and lookup.steps > 0
