@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import math
 import sys
 from pathlib import Path
 from typing import Any
+
+from dflash.stage2_train.acceptance import paired_tau_difference
 
 # Settings of eval.json that must match for per-prompt records to be comparable.
 SAME_SETTINGS = ("target", "max_new_tokens", "temperature", "block_size")
@@ -43,7 +45,8 @@ def compare_dataset(new: dict[str, Any], baseline: dict[str, Any]) -> dict[str, 
     paired = [prompt for prompt in new_by_id if prompt in base_by_id]
     if not paired:
         raise SystemExit(f"{new['dataset']}: no prompt id is in both evaluations")
-    differences = [new_by_id[prompt]["tau"] - base_by_id[prompt]["tau"] for prompt in paired]
+    difference = paired_tau_difference({p: new_by_id[p]["tau"] for p in paired},
+                                       {p: base_by_id[p]["tau"] for p in paired})
 
     def tau(by_id: dict[str, Any]) -> float:  # mean over the paired prompts' steps of (accepted + 1), as eval's tau
         accepted = [a for prompt in paired for a in by_id[prompt]["accepted"]]
@@ -54,12 +57,11 @@ def compare_dataset(new: dict[str, Any], baseline: dict[str, Any]) -> dict[str, 
         "prompts_unpaired": len(new_by_id) + len(base_by_id) - 2 * len(paired),
         "tau_new": tau(new_by_id),
         "tau_baseline": tau(base_by_id),
-        "difference_mean": statistics.fmean(differences),
-        "difference_stderr": (statistics.stdev(differences) / len(differences) ** 0.5 if len(differences) > 1
-                              else None),
-        "prompts_higher": sum(1 for d in differences if d > 0),
-        "prompts_lower": sum(1 for d in differences if d < 0),
-        "prompts_equal": sum(1 for d in differences if d == 0),
+        "difference_mean": difference["mean"],
+        "difference_stderr": None if math.isnan(difference["stderr"]) else difference["stderr"],
+        "prompts_higher": difference["higher"],
+        "prompts_lower": difference["lower"],
+        "prompts_equal": difference["equal"],
     }
 
 

@@ -33,7 +33,8 @@
 # runs NAME@sSEED, all variants at a seed before the next; the table adds each variant's mean over seeds and its
 # difference to the baseline paired by seed; default: one run per variant at seed 0), LIVE_SAMPLES (80),
 # LIVE_TOKENS (512), LIVE_FLAGS, and RESULTS_FROM: a folder of an earlier bench's results/*.json (carried in the
-# tree, e.g. from a lost machine's state.tgz): they are copied into $OUT/bench/results first, and the bench skips
+# tree, e.g. from a lost machine's state.tgz): they are copied into $OUT/bench/results first (and the live/ folder
+# beside it, if there, into $OUT/bench/live: its eval.json files pair live tau by prompt), and the bench skips
 # every run whose result is complete there.
 # Why seeds: one recipe's test tau after 600 steps spread with a standard deviation of 0.033-0.066 over seeds 0-2,
 # 2-5x one run's standard error over test sequences (2026-12-06, benchmarks/results/
@@ -146,6 +147,8 @@ fi
 stage cache
 if [ -n "$RESULTS_FROM" ]; then
     mkdir -p "$BENCH/results" && cp -n "$RESULTS_FROM"/*.json "$BENCH/results/"
+    # and their live evaluations (a bench folder's live/ beside its results/), for the comparison paired by prompt
+    [ -d "$RESULTS_FROM/../live" ] && mkdir -p "$BENCH/live" && cp -rn "$RESULTS_FROM/../live/." "$BENCH/live/"
 fi
 variant_args=()
 IFS=';' read -ra entries <<<"$VARIANTS"

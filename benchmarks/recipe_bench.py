@@ -19,6 +19,10 @@ validation tau, one process per variant and dataset, side by side (tau does not 
 2026-12-06 one drafter's live MT-Bench tau was 2.69 +- 0.20 over the first 20 prompts and 2.54 +- 0.11 over all 80
 (benchmarks/results/h100_data_size_2026-12-06); there one drafter's 80 prompts of both datasets, evaluated at
 once with --compile-target, took ~110 s on an H100 with compilation (the bench's baseline and best: four at once).
+The best's live tau is also compared with the baseline's prompt by prompt (the mean of the per-prompt differences
++- its standard error, and on how many prompts it is higher; `acceptance.paired_tau_difference`): easy and hard
+prompts are shared, so the paired error is smaller than the two taus' errors together (0.061 against 0.147 on 80
+HumanEval prompts, 2026-12-06).
 
 Replicates (`--seeds 0,1,2`, instead of `--seed`): every variant is trained once per seed, as run NAME@sSEED (every
 variant at the first seed, then every variant at the next, so that a machine lost mid-way leaves whole
@@ -67,7 +71,9 @@ first compiled variant alone pays the first compilation (91 s on an H100, 2026-1
 
 Results: BENCH/results/NAME.json for a variant's run (NAME@sSEED.json with several seeds; written, complete, as soon
 as it finishes; a failed run is written too, with its exit code and last line, and tried again on the next run),
-BENCH/results/NAME.live.json (one dataset added as each live evaluation finishes), and after every one of them
+BENCH/results/NAME.live.json (one dataset added as each live evaluation finishes, with each prompt's tau; for a
+carried record from before that, the per-prompt tau is read from BENCH/live/NAME--DATASET/eval.json where that is
+there), and after every one of them
 BENCH/bench.json (everything) and BENCH/bench.md (the tables, generated from bench.json). Every tau comes with its
 standard error. A rerun with the same flags skips every variant and live evaluation whose result is complete (copy
 results/ from an earlier machine into a fresh BENCH to go on there); a variant killed mid-way is trained again from
@@ -102,6 +108,7 @@ from dflash.shared import cache_format as cf
 from dflash.shared.errors import UserError, user_facing_errors
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.run_files import BEST_RECORD_FILE, CONFIG_FILE, RunFiles
+from dflash.stage2_train.acceptance import json_safe, paired_tau_difference
 
 log = get_logger("recipe_bench")
 
@@ -357,9 +364,29 @@ def live_evaluations(bench: Bench, names: list[str], datasets: list[str], settin
         record = read_json(bench.live_path(name)) or {"settings": settings, "datasets": {}}
         record["datasets"][dataset] = {key: figures[key] for key in ("prompts", "steps", "tau", "tau_stderr")}
         record["datasets"][dataset]["new_tokens"] = figures["new_tokens"]["dflash"]
+        record["datasets"][dataset]["prompt_tau"] = prompt_taus(figures)
         bench.write(bench.live_path(name), record)
         log.info("live %s on %s: tau %s over %d prompts", name, dataset,
                  tau_text(figures["tau"], figures["tau_stderr"]), figures["prompts"])
+
+
+def prompt_taus(figures: dict[str, Any]) -> dict[str, float]:
+    """Each prompt's tau of one dataset of an eval.json, by prompt id (for the comparison paired by prompt)."""
+    return {sample["id"]: sample["tau"] for sample in figures["samples"]}
+
+
+def live_figures(bench: Bench, name: str) -> dict[str, Any] | None:
+    """A run's live figures by dataset (results/NAME.live.json), each dataset's per-prompt tau read from its
+    evaluation folder (live/NAME--DATASET/eval.json) where the record predates it (a carried baseline's)."""
+    live = read_json(bench.live_path(name))
+    if live is None:
+        return None
+    datasets = live["datasets"]
+    for dataset, figures in datasets.items():
+        report = read_json(bench.live / f"{name}--{dataset}" / "eval.json")
+        if "prompt_tau" not in figures and report is not None and dataset in report.get("datasets", {}):
+            figures["prompt_tau"] = prompt_taus(report["datasets"][dataset])
+    return datasets
 
 
 # ------------------------------------------------------------------------------------------------------- the bench
@@ -525,12 +552,20 @@ def summary(bench: Bench, header: dict[str, Any]) -> dict[str, Any]:
         for seed in seeds:
             name = run_name(entry["name"], seed, seeds)
             result = read_json(bench.result_path(name)) or {"name": name, "complete": False, "error": "not run yet"}
-            live = read_json(bench.live_path(name))
-            row = {**result, "name": name, "flags": entry["flags"],
-                   "live": None if live is None else live["datasets"]}
+            row = {**result, "name": name, "flags": entry["flags"], "live": live_figures(bench, name)}
             if len(seeds) > 1:
                 row.update(variant=entry["name"], seed=seed)
             rows.append(row)
+    baseline = header["variants"][0]["name"]
+    # Each run's live tau against the baseline's run at the same seed, prompt by prompt (where both have it).
+    baseline_live = {row.get("seed"): row["live"] or {} for row in rows if row.get("variant", row["name"]) == baseline}
+    for row in rows:
+        base = baseline_live.get(row.get("seed"), {})
+        if row.get("variant", row["name"]) != baseline and row["live"]:
+            row["live_vs_baseline"] = {
+                dataset: json_safe(paired_tau_difference(figures["prompt_tau"], base[dataset]["prompt_tau"]))
+                for dataset, figures in row["live"].items()
+                if "prompt_tau" in figures and "prompt_tau" in base.get(dataset, {})}
     validation = {entry["name"]: {seed: run["tau"] for seed, run in
                                   figure_by_seed(rows, entry["name"], "best_validation", seeds[0]).items()}
                   for entry in header["variants"]}
@@ -541,7 +576,6 @@ def summary(bench: Bench, header: dict[str, Any]) -> dict[str, Any]:
     means = {name: statistics.fmean(tau for seed, tau in taus.items() if not common or seed in common)
              for name, taus in validation.items() if taus and (not common or common & set(taus))}
     best = max(means, key=lambda name: means[name]) if means else None
-    baseline = header["variants"][0]["name"]
     record = {**header, "baseline": baseline, "best": best, "results": rows}
     if len(seeds) > 1:
         record["replicates"] = replicates(rows, header["variants"], baseline)
@@ -632,6 +666,15 @@ def tau_text(tau: float | None, stderr: float | None) -> str:
     return f"{tau:.3f} +- " + ("n/a" if stderr is None or stderr != stderr else f"{stderr:.3f}")
 
 
+def paired_text(difference: dict[str, Any] | None) -> str:
+    """A paired live difference: mean +- its standard error (higher on k of n prompts); - where there is none."""
+    if not difference or not difference["prompts"]:
+        return "-"
+    stderr = "n/a" if difference["stderr"] is None else f"{difference['stderr']:.3f}"
+    return (f"{difference['mean']:+.3f} +- {stderr} (higher on {difference['higher']} of "
+            f"{difference['prompts']})")
+
+
 def render_markdown(bench: dict[str, Any]) -> str:
     """bench.md from bench.json's content alone."""
     results = bench["results"]
@@ -657,7 +700,9 @@ def render_markdown(bench: dict[str, Any]) -> str:
         f"Cache `{bench['cache']}`; {steps}, {seeding[0]}; "
         f"validation tau over the whole validation split every {bench['eval_every']} steps; test tau over the whole "
         f"test split for the drafter of the best validation tau; live tau (`dflash eval`, {bench['live']['samples']}"
-        f" prompts x {bench['live']['new_tokens']} new tokens) for {seeding[1]}. +- one standard error. s/step and "
+        f" prompts x {bench['live']['new_tokens']} new tokens) for {seeding[1]}, and its difference to the "
+        f"baseline's paired by prompt (the mean of the per-prompt differences, each prompt weighing the same). +- one "
+        f"standard error. s/step and "
         f"block tok/s over each run's steps after the first {bench['untimed_steps']} (which hold the warm-up and "
         f"compilation: untimed s); train s: the sum of every step's time, the untimed ones included (evaluations "
         f"excluded), and its ratio to the baseline's run at the same seed, as measured"
@@ -672,9 +717,10 @@ def render_markdown(bench: dict[str, Any]) -> str:
     lines += [
         "| variant | flags | best validation tau (step) | test tau | test / baseline | "
         + "".join(f"live {d} tau | " for d in datasets)
+        + "".join(f"live {d} - baseline's, paired by prompt | " for d in datasets)
         + "steps | train s | train s / baseline's | s/step (median) | block tok/s | untimed s | peak GiB | final loss "
         "| schedule |",
-        "|---|---|---:|---:|---:|" + "---:|" * len(datasets) + "---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|" + "---:|" * 2 * len(datasets) + "---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         variant = r.get("variant", r["name"])
@@ -683,7 +729,7 @@ def render_markdown(bench: dict[str, Any]) -> str:
         flags = f"`{shlex.join(r['flags'])}`" if r["flags"] else "-"
         if not r.get("complete"):
             error = str(r.get("error", "failed")).replace("|", "/")
-            lines.append(f"| {name} | {flags} | {error} |" + " |" * (11 + len(datasets)))
+            lines.append(f"| {name} | {flags} | {error} |" + " |" * (11 + 2 * len(datasets)))
             continue
         best, test, cost, live = r["best_validation"], r["test"], r["cost"], r.get("live") or {}
         baseline = baselines.get(r.get("seed")) or {}
@@ -697,6 +743,7 @@ def render_markdown(bench: dict[str, Any]) -> str:
             ratio,
             *(tau_text(live[d]["tau"], live[d]["tau_stderr"]) + f" ({live[d]['prompts']})" if d in live else "-"
               for d in datasets),
+            *(paired_text((r.get("live_vs_baseline") or {}).get(d)) for d in datasets),
             f"{r['steps']:,}",
             "-" if seconds is None else f"{seconds:,.1f}",
             f"{seconds / base_seconds:.3f}x" if seconds is not None and base_seconds else "-",

@@ -109,7 +109,8 @@ def test_variants_train_at_the_same_steps_and_schedule_and_report_from_their_run
             continue
         report = json.loads((bench / "live" / f"{name}--mtbench" / "eval.json").read_text())["datasets"]["mtbench"]
         assert live == {"mtbench": {"prompts": 1, "steps": report["steps"], "tau": report["tau"],
-                                    "tau_stderr": report["tau_stderr"], "new_tokens": report["new_tokens"]["dflash"]}}
+                                    "tau_stderr": report["tau_stderr"], "new_tokens": report["new_tokens"]["dflash"],
+                                    "prompt_tau": {s["id"]: s["tau"] for s in report["samples"]}}}
         assert report["prompts"] == 1 and report["tau"] >= 1.0
 
 
@@ -151,6 +152,11 @@ def test_a_rerun_skips_finished_variants_and_refuses_other_settings(bench: Path,
     base = json.loads((out / "results" / "base.json").read_text())
     base["best_validation"]["tau"] = 0.5
     (out / "results" / "base.json").write_text(json.dumps(base))
+    # The baseline's live record as an older bench wrote it (without per-prompt tau, as the carried one of
+    # 2026-12-06): the comparison paired by prompt reads its evaluation folder instead.
+    base_live = json.loads((out / "results" / "base.live.json").read_text())
+    del base_live["datasets"]["mtbench"]["prompt_tau"]
+    (out / "results" / "base.live.json").write_text(json.dumps(base_live))
     kept = {path: path.stat().st_mtime_ns for path in (out / "runs" / "base" / "metrics.jsonl",
                                                       out / "results" / "base.json", out / "logs" / "base.train.out")}
     result = run_bench(baseline_cache, out)
@@ -164,6 +170,17 @@ def test_a_rerun_skips_finished_variants_and_refuses_other_settings(bench: Path,
     live = {r["name"]: r["live"] for r in record["results"]}
     assert live["g4"]["mtbench"]["prompts"] == 1 and live["base"] == json.loads(
         (bench / "results" / "base.live.json").read_text())["datasets"]
+    # g4's live tau against the baseline's, paired by prompt: one prompt, its difference, no standard error.
+    reports = {name: json.loads((out / "live" / f"{name}--mtbench" / "eval.json").read_text())["datasets"]["mtbench"]
+               for name in ("base", "g4")}
+    (g4_sample,), (base_sample,) = reports["g4"]["samples"], reports["base"]["samples"]
+    assert g4_sample["id"] == base_sample["id"]
+    difference = {r["name"]: r.get("live_vs_baseline") for r in record["results"]}
+    assert difference["base"] is None and difference["g4"]["mtbench"] == {
+        "prompts": 1, "mean": pytest.approx(g4_sample["tau"] - base_sample["tau"]), "stderr": None,
+        "higher": int(g4_sample["tau"] > base_sample["tau"]), "lower": int(g4_sample["tau"] < base_sample["tau"]),
+        "equal": int(g4_sample["tau"] == base_sample["tau"])}
+    assert f"(higher on {difference['g4']['mtbench']['higher']} of 1)" in (out / "bench.md").read_text()
     again = step_records(out / "runs" / "g4")
     first = step_records(out / "runs" / "base")
     assert {s: r["lr"] for s, r in again.items()} == {s: r["lr"] for s, r in first.items()}
@@ -477,11 +494,13 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
 
     stub, calls = tmp_path / "stub.py", tmp_path / "calls.json"
     stub.write_text(STUB)
-    work, out, carried = tmp_path / "work", tmp_path / "out", tmp_path / "carried"
+    work, out, carried = tmp_path / "work", tmp_path / "out", tmp_path / "prev" / "bench" / "results"
     (work / "cache_fp8").mkdir(parents=True)
     (work / "cache_fp8" / "manifest.json").write_text("{}")  # a cache made already: no extraction
-    carried.mkdir()
+    carried.mkdir(parents=True)
     (carried / "ce.json").write_text("{}")
+    (carried.parent / "live" / "ce--mtbench").mkdir(parents=True)  # an earlier bench's live evaluation beside it
+    (carried.parent / "live" / "ce--mtbench" / "eval.json").write_text('{"carried": true}')
     env = {**os.environ, "STUB_CALLS": str(calls), "RECIPE_BENCH": f"{sys.executable} {stub}", "OUT": str(out),
            "WORK": str(work), "SITE": str(tmp_path / "site"), "RESULTS_FROM": str(carried), "STEPS": "300",
            "VARIANTS": "ce=--loss ce; mix25=--loss mix --kl-weight 0.25;", "SEEDS": "0, 1,2",
@@ -498,6 +517,7 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
     assert [args[i + 1] for i, a in enumerate(args) if a == "--steps-of"] == ["mix25=710", "ce=300"]
     assert args[args.index("--live-samples") + 1] == "80" and args[args.index("--live-new-tokens") + 1] == "512"
     assert call["results_held"] == ["ce.json"]  # the carried results were there before the bench started
+    assert json.loads((out / "bench" / "live" / "ce--mtbench" / "eval.json").read_text()) == {"carried": True}
     assert "recipe bench done (exit 0)" in (out / "recipe_bench_stages.tsv").read_text()
     back = tmp_path / "back"
     back.mkdir()
