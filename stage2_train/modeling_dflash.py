@@ -234,6 +234,10 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             raise ValueError(f"{len(self.layer_types)} layer_types for {config.num_hidden_layers} layers")
         self.attention: Any = DenseAttention  # see DenseAttention; training sets draft_attention.TrainingAttention
         self.gradient_checkpointing = False
+        # While training, the first layer's input (the frozen block embedding) is made to need a gradient, as every
+        # later layer's input does, so that the compiled layers' one code object takes one version per shape, not
+        # two (run_setup.compile_layers sets it).
+        self.layer_inputs_need_grad = False
         self.last_acceptance_lengths: list[int] = []
         self.post_init()
 
@@ -318,6 +322,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                                                     all_k_pos)
                  for layer_type in set(self.layer_types)}
         hidden = noise_embedding
+        if self.layer_inputs_need_grad and torch.is_grad_enabled() and not hidden.requires_grad:
+            hidden = hidden.detach().requires_grad_()  # (a new leaf: the caller's tensor is left as it is)
         for layer, layer_type in zip(self.layers, self.layer_types):
             args = (hidden, context, q_rope, k_rope, masks[layer_type], self.attention.attend)
             if self.gradient_checkpointing and self.training:

@@ -283,7 +283,15 @@ def compile_layers(model: DFlashDraftModel) -> None:
     off (unless TORCHINDUCTOR_SPLIT_REDUCTIONS says otherwise): the compiled step was measured so on an H100 (2.04x
     the plain step, docs/benchmarks.md), and a split reduction over symbolic sizes is where inductor's backward
     failed on varying packed shapes with grouped SDPA. The recompile limit is raised to `LAYER_RECOMPILE_LIMIT`
-    (unless it is set higher) and hitting it is reported at the run's end (`RECOMPILE_LIMIT_WATCH`)."""
+    (unless it is set higher) and hitting it is reported at the run's end (`RECOMPILE_LIMIT_WATCH`).
+
+    The first layer's input is made to need a gradient (`layer_inputs_need_grad`): torch.compile guards on it, so
+    the frozen block embedding of layer 0 and the later layers' inputs took two versions of the one layer function
+    for every shape. Measured on the 2-core CPU (2026-12-07, a 16-conversation SmolLM2 cache, 40 steps of
+    `--compile`): 12 versions and 13 graphs -> 6 and 7, 556 -> 417 s of step time, the same losses. The input's
+    gradient costs the input-gradient matmuls of layer 0's q/k/v projections over the block tokens, ~1.1 MFLOP a
+    block token on the SmolLM2 drafter: ~0.5 % of its ~219 MFLOP a block token (benchmarks/bench_train.py's count);
+    not yet timed on a GPU."""
     import os
 
     import torch._inductor.config as inductor_config
@@ -294,6 +302,7 @@ def compile_layers(model: DFlashDraftModel) -> None:
     watched = logging.getLogger("torch._dynamo.convert_frame")
     if RECOMPILE_LIMIT_WATCH not in watched.handlers:
         watched.addHandler(RECOMPILE_LIMIT_WATCH)
+    model.layer_inputs_need_grad = True
     for layer in model.layers:
         layer.compile()
     log.info("compile: %d decoder layers compile on their first steps", len(model.layers))
