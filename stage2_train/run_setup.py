@@ -235,8 +235,9 @@ def setup_run(options: TrainOptions) -> TrainingRun:
 # How many compiled versions torch.compile keeps of one function before it runs new inputs eagerly (torch's default:
 # 8). The decoder layers' forward is one function for every layer and needs more: on an H100 (2026-12-06, a
 # `--attention flex --compile` run of the SmolLM2 drafter, TORCH_LOGS=recompiles) it took 8 versions by step 41
-# (layer 0's input needs no gradient and the later layers' inputs do; static sizes first, then symbolic ones; the
-# packed context length specialised once; inductor's guards on size thresholds, e.g. 576 * tokens >= 5242880), needed
+# (layer 0's input needed no gradient and the later layers' inputs did, since made equal, see compile_layers; static
+# sizes first, then symbolic ones; the packed context length specialised once; inductor's guards on size
+# thresholds, e.g. 576 * tokens >= 5242880), needed
 # a ninth at step ~455 and from there ran new shapes uncompiled; step 651 ran out of memory (76.5 GiB against the
 # planned 39.1; most likely such a shape, unfused) and the rest of the 3,000 steps ran 5x slower in the smaller
 # retried micro-batches (15.8 minutes in all). Shapes are bucketed (shape_buckets.py), so the versions stay few; this
