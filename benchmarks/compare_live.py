@@ -3,16 +3,19 @@
 Two drafters evaluated on the same prompts (same dataset, `--max-samples`, `--max-new-tokens` and target) differ
 far less from prompt to prompt than the prompts differ from each other (an easy prompt is easy for both), so the
 difference of their per-prompt tau has a smaller standard error than the difference of the two means: on
-2026-12-06 (H100, 80 HumanEval prompts) 0.512 +- 0.061 paired against 0.590 +- 0.147 unpaired. This script pairs
+2026-12-06 (H100, 80 HumanEval prompts) the mean per-prompt difference was 0.512 +- 0.061 paired against +- 0.174
+unpaired (the pooled taus, 2.651 and 2.061, differ by 0.590 +- 0.146 unpaired). This script pairs
 the per-prompt records (`samples` of eval.json) by prompt id, per dataset:
 
     python benchmarks/compare_live.py NEW_EVAL_DIR BASELINE_EVAL_DIR [--json out.json]
 
 Each argument is an eval output folder (its eval.json) or an eval.json itself; datasets found in both are compared.
 For each: the prompts paired, both drafters' tau over them (computed as `dflash eval` computes it), the mean
-per-prompt difference (new minus baseline) with its standard error over prompts, and on how many prompts the new
-drafter is higher, lower or equal. Prompts found in only one file are counted and left out; generation settings
-that differ between the two files are refused, since they would not be the same prompts decoded the same way.
+per-prompt difference (new minus baseline, each prompt weighing the same) with its standard error over prompts,
+and on how many prompts the new drafter is higher, lower or equal. Prompts found in only one file, or decoded in no
+speculative step in either (no tau), are counted and left out; settings that differ between the two files (the
+target, its dtype, the chat template and its arguments, new tokens, temperature) are refused, since they would not
+be the same prompts decoded the same way. The drafters may differ in anything, their block size included.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflash.stage2_train.acceptance import paired_tau_difference
+from dflash.stage2_train.acceptance import json_safe, paired_tau_difference
 
 # Settings of eval.json that must match for per-prompt records to be comparable.
-SAME_SETTINGS = ("target", "max_new_tokens", "temperature", "block_size")
+SAME_SETTINGS = ("target", "target_dtype", "chat_template", "chat_template_kwargs", "max_new_tokens", "temperature")
 
 
 def load_eval(path: Path) -> dict[str, Any]:
@@ -50,19 +53,20 @@ def compare_dataset(new: dict[str, Any], baseline: dict[str, Any]) -> dict[str, 
 
     def tau(by_id: dict[str, Any]) -> float:  # mean over the paired prompts' steps of (accepted + 1), as eval's tau
         accepted = [a for prompt in paired for a in by_id[prompt]["accepted"]]
-        return sum(a + 1 for a in accepted) / len(accepted)
+        return sum(a + 1 for a in accepted) / len(accepted) if accepted else math.nan
 
-    return {
-        "prompts_paired": len(paired),
+    return json_safe({  # (NaN, e.g. no paired prompt with a step, as None)
+        "prompts_paired": difference["prompts"],
         "prompts_unpaired": len(new_by_id) + len(base_by_id) - 2 * len(paired),
+        "prompts_without_steps": difference["no_steps"],
         "tau_new": tau(new_by_id),
         "tau_baseline": tau(base_by_id),
         "difference_mean": difference["mean"],
-        "difference_stderr": None if math.isnan(difference["stderr"]) else difference["stderr"],
+        "difference_stderr": difference["stderr"],
         "prompts_higher": difference["higher"],
         "prompts_lower": difference["lower"],
         "prompts_equal": difference["equal"],
-    }
+    })
 
 
 def compare(new: dict[str, Any], baseline: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -81,13 +85,15 @@ def compare(new: dict[str, Any], baseline: dict[str, Any]) -> dict[str, dict[str
 
 def table(comparison: dict[str, dict[str, Any]]) -> str:
     """The comparison as a Markdown table."""
+    def number(value: float | None, sign: str = "") -> str:
+        return "n/a" if value is None else f"{value:{sign}.3f}"
+
     lines = ["| dataset | prompts | tau new | tau baseline | per-prompt difference +- s.e. | higher / lower / equal |",
              "|---|---|---|---|---|---|"]
     for name, row in comparison.items():
-        stderr = "n/a" if row["difference_stderr"] is None else f"{row['difference_stderr']:.3f}"
-        lines.append(f"| {name} | {row['prompts_paired']} | {row['tau_new']:.3f} | {row['tau_baseline']:.3f} | "
-                     f"{row['difference_mean']:+.3f} +- {stderr} | {row['prompts_higher']} / {row['prompts_lower']}"
-                     f" / {row['prompts_equal']} |")
+        lines.append(f"| {name} | {row['prompts_paired']} | {number(row['tau_new'])} | {number(row['tau_baseline'])} "
+                     f"| {number(row['difference_mean'], '+')} +- {number(row['difference_stderr'])} | "
+                     f"{row['prompts_higher']} / {row['prompts_lower']} / {row['prompts_equal']} |")
     return "\n".join(lines)
 
 

@@ -21,8 +21,9 @@ validation tau, one process per variant and dataset, side by side (tau does not 
 once with --compile-target, took ~110 s on an H100 with compilation (the bench's baseline and best: four at once).
 The best's live tau is also compared with the baseline's prompt by prompt (the mean of the per-prompt differences
 +- its standard error, and on how many prompts it is higher; `acceptance.paired_tau_difference`): easy and hard
-prompts are shared, so the paired error is smaller than the two taus' errors together (0.061 against 0.147 on 80
-HumanEval prompts, 2026-12-06).
+prompts are shared, so the paired error is the smaller (0.061 against 0.174 unpaired for the mean per-prompt
+difference of two drafters on 80 HumanEval prompts, 2026-12-06). Each prompt weighs the same there, so it is not
+the difference of the two pooled taus beside it (0.512 against 0.590 in that case).
 
 Replicates (`--seeds 0,1,2`, instead of `--seed`): every variant is trained once per seed, as run NAME@sSEED (every
 variant at the first seed, then every variant at the next, so that a machine lost mid-way leaves whole
@@ -371,21 +372,25 @@ def live_evaluations(bench: Bench, names: list[str], datasets: list[str], settin
 
 
 def prompt_taus(figures: dict[str, Any]) -> dict[str, float]:
-    """Each prompt's tau of one dataset of an eval.json, by prompt id (for the comparison paired by prompt)."""
+    """Each prompt's tau of one dataset of an eval.json, by prompt id (for the comparison paired by prompt; None for
+    a prompt decoded in no speculative step)."""
     return {sample["id"]: sample["tau"] for sample in figures["samples"]}
 
 
 def live_figures(bench: Bench, name: str) -> dict[str, Any] | None:
     """A run's live figures by dataset (results/NAME.live.json), each dataset's per-prompt tau read from its
-    evaluation folder (live/NAME--DATASET/eval.json) where the record predates it (a carried baseline's)."""
+    evaluation folder (live/NAME--DATASET/eval.json) where the record predates it (a carried baseline's), if that
+    evaluation is the one recorded (the same prompts, steps and tau)."""
     live = read_json(bench.live_path(name))
     if live is None:
         return None
     datasets = live["datasets"]
     for dataset, figures in datasets.items():
-        report = read_json(bench.live / f"{name}--{dataset}" / "eval.json")
-        if "prompt_tau" not in figures and report is not None and dataset in report.get("datasets", {}):
-            figures["prompt_tau"] = prompt_taus(report["datasets"][dataset])
+        if "prompt_tau" in figures:
+            continue
+        report = (read_json(bench.live / f"{name}--{dataset}" / "eval.json") or {}).get("datasets", {}).get(dataset)
+        if report is not None and all(report.get(key) == figures.get(key) for key in ("prompts", "steps", "tau")):
+            figures["prompt_tau"] = prompt_taus(report)
     return datasets
 
 
@@ -668,7 +673,7 @@ def tau_text(tau: float | None, stderr: float | None) -> str:
 
 def paired_text(difference: dict[str, Any] | None) -> str:
     """A paired live difference: mean +- its standard error (higher on k of n prompts); - where there is none."""
-    if not difference or not difference["prompts"]:
+    if not difference or not difference["prompts"] or difference["mean"] is None:
         return "-"
     stderr = "n/a" if difference["stderr"] is None else f"{difference['stderr']:.3f}"
     return (f"{difference['mean']:+.3f} +- {stderr} (higher on {difference['higher']} of "

@@ -268,21 +268,28 @@ def tau_standard_error(tokens: Sequence[int], steps: Sequence[int]) -> float:
     return math.sqrt(n / (n - 1) * residuals) / total_steps
 
 
-def paired_tau_difference(new: Mapping[str, float], baseline: Mapping[str, float]) -> dict[str, Any]:
+def paired_tau_difference(new: Mapping[str, float | None], baseline: Mapping[str, float | None]) -> dict[str, Any]:
     """Two drafters' live tau on the same prompts, compared prompt by prompt: ``new`` and ``baseline`` map a prompt
-    id to that prompt's tau. Over the prompts in both: their number, the mean of the per-prompt differences (new
-    minus baseline, each prompt weighing the same) with its standard error over prompts (NaN under 2 prompts), and
-    how many prompts the new drafter is higher, lower or equal on. Prompts differ far more from each other than two
-    drafters differ on one prompt, so the paired error is the smaller: 0.061 against 0.147 for the difference of the
-    two means on 80 HumanEval prompts (H100, 2026-12-06)."""
-    paired = [prompt for prompt in new if prompt in baseline]
-    differences = [float(new[prompt]) - float(baseline[prompt]) for prompt in paired]
+    id to that prompt's tau (None or NaN for a prompt decoded in no speculative step, e.g. answered by a stop token
+    at once: such prompts are left out and counted as ``no_steps``). Over the prompts in both: their number, the
+    mean of the per-prompt differences (new minus baseline, each prompt weighing the same; not the difference of the
+    two pooled taus, which weigh prompts by their steps) with its standard error over prompts (NaN under 2
+    prompts), and how many prompts the new drafter is higher, lower or equal on. Prompts differ far more from each
+    other than two drafters differ on one prompt, so the paired error is the smaller: on 80 HumanEval prompts (H100,
+    2026-12-06) 0.512 +- 0.061 paired against +- 0.174 for the difference of the two per-prompt means unpaired."""
+
+    def has_tau(value: float | None) -> bool:
+        return value is not None and not math.isnan(value)
+
+    shared = [prompt for prompt in new if prompt in baseline]
+    paired = [prompt for prompt in shared if has_tau(new[prompt]) and has_tau(baseline[prompt])]
+    differences = [float(new[prompt]) - float(baseline[prompt]) for prompt in paired]  # type: ignore[arg-type]
     n = len(differences)
     mean = sum(differences) / n if n else math.nan
     stderr = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1) / n) if n > 1 else math.nan
     return {"prompts": n, "mean": mean, "stderr": stderr,
             "higher": sum(1 for d in differences if d > 0), "lower": sum(1 for d in differences if d < 0),
-            "equal": sum(1 for d in differences if d == 0)}
+            "equal": sum(1 for d in differences if d == 0), "no_steps": len(shared) - n}
 
 
 def json_safe(value: Any) -> Any:

@@ -780,7 +780,9 @@ def resolve_decode(decode: str, device: torch.device) -> tuple[bool, bool]:
 # Whether the static path compiles the target's fixed-width forwards (`TargetRunner._static_step` of the verify
 # block and of the one-token step; prefills stay eager) with torch.compile (fullgraph, static shapes, one compiled
 # function per width) before their CUDA graphs are captured, so the graphs replay Inductor's fused kernels instead
-# of the eager modules' (~1,350 kernels a SmolLM2-135M step on an H100, ~3.5 ms). Opt-in (False) until measured:
+# of the eager modules' (~1,350 kernels a SmolLM2-135M step on an H100, ~3.5 ms). Opt-in (False, `dflash eval
+# --compile-target`): 2.2x faster decoding on an H100, but a whole 20-prompt evaluation took 108 s with its ~58 s
+# warm-up, and the lossless check weakens to prefixes at bf16 near-ties (docs/benchmarks.md);
 # benchmarks/bench_eval_decode.py --compile-target compares it in one run. The layer-capturing hooks of `hooked()`
 # are traced into the compiled forward (no graph break on the llama and gemma3_text families).
 COMPILE_TARGET = False

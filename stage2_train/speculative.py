@@ -105,9 +105,11 @@ def prompt_lookup_generate(
     # On the static path every block with proposals is verified at one width, num_tokens + 1 (the proposals padded
     # by repeating the last; what the padding computes is never read, and the rollback cuts it), so that one
     # fixed-width forward serves every step: one compiled graph under COMPILE_TARGET instead of ten eager widths,
-    # whose figure undersold prompt lookup beside the compiled DFlash and plain loops. The padding costs little at
-    # batch 1 on a GPU, where a forward is bound by reading the weights: a 16-token verify forward took 1.10x a
-    # one-token step on SmolLM2-135M and 1.16x on a Qwen3-8B shape (H100, 2026-12-06, docs/benchmarks.md).
+    # whose figure undersold prompt lookup beside the compiled DFlash and plain loops. The padding should cost little
+    # at batch 1 on a GPU, where a forward is bound by reading the weights: uncompiled, a 16-token verify forward
+    # took 1.10x a one-token step on SmolLM2-135M and 1.16x on a Qwen3-8B shape (H100, 2026-12-06,
+    # docs/benchmarks.md); compiled, not measured. On a hybrid target a block accepted whole but shorter than the
+    # padded width now rolls back too (its recurrent state restored and the kept tokens fed again: one more forward).
     padded_width = num_tokens + 1 if runner.capacity is not None else 0
     if padded_width:
         runner.compile_widths.add(padded_width)

@@ -92,3 +92,19 @@ def test_the_command_prints_the_table_and_writes_the_json(tmp_path: Path, capsys
     assert f"| mtbench | 3 | {written['mtbench']['tau_new']:.3f} |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no eval.json"):
         compare_live.main([str(tmp_path), str(tmp_path / "new")])
+
+
+def test_a_prompt_decoded_in_no_step_is_left_out_and_counted() -> None:
+    """A prompt answered by a stop token at once has no speculative step: eval.json holds its tau as null. It is
+    left out of the pairing (and of both taus) and counted; nothing fails."""
+    new = json.loads(json.dumps(eval_json(["a", "b", "c"], 3.0, 0)))
+    baseline = json.loads(json.dumps(eval_json(["a", "b", "c"], 2.0, 1)))
+    sample = new["datasets"]["mtbench"]["samples"][1]
+    sample.update(tau=None, accepted=[], steps=0, new_tokens=1)
+    row = compare_live.compare(new, baseline)["mtbench"]
+    assert (row["prompts_paired"], row["prompts_without_steps"]) == (2, 1)
+    kept = [s for s in new["datasets"]["mtbench"]["samples"] if s["id"] != "b"]
+    base = {s["id"]: s for s in baseline["datasets"]["mtbench"]["samples"]}
+    assert row["difference_mean"] == pytest.approx(statistics.fmean(s["tau"] - base[s["id"]]["tau"] for s in kept))
+    only = compare_live.compare(*(json.loads(json.dumps(eval_json(["a"], 3.0, seed))) for seed in (0, 1)))["mtbench"]
+    assert only["difference_stderr"] is None and "+- n/a" in compare_live.table({"mtbench": only})

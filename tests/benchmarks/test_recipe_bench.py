@@ -615,3 +615,26 @@ def test_the_gpu_driver_makes_the_top_k_cache_from_the_carried_conversations(tmp
     assert args[args.index("--train-flags") + 1].endswith("--attention flex --compile")  # every variant fast
     stages = (out / "recipe_bench_stages.tsv").read_text()
     assert "\tcache\n" in stages and "recipe bench done (exit 0)" in stages
+
+
+def test_an_older_live_record_takes_its_per_prompt_tau_only_from_the_evaluation_it_records(tmp_path: Path) -> None:
+    """A carried live record without per-prompt tau reads it from live/NAME--DATASET/eval.json, but only when that
+    evaluation is the recorded one (same prompts, steps and tau): another bench's folder of the same name is not
+    paired. A prompt decoded in no speculative step (tau null) is left out of the pairing and counted."""
+    module = load_bench()
+    bench = module.Bench(tmp_path / "bench")
+    samples = [{"id": "mtbench/81", "tau": 2.5}, {"id": "mtbench/82", "tau": None}]
+    report = {"datasets": {"mtbench": {"prompts": 2, "steps": 8, "tau": 2.5, "samples": samples}}}
+    (bench.live / "base--mtbench").mkdir(parents=True)
+    (bench.live / "base--mtbench" / "eval.json").write_text(json.dumps(report))
+    bench.results.mkdir(parents=True)
+    adopted = {}
+    for steps in (9, 8):  # another evaluation than the recorded one (9 steps), then the recorded one
+        record = {"settings": {}, "datasets": {"mtbench": {"prompts": 2, "steps": steps, "tau": 2.5,
+                                                           "tau_stderr": None, "new_tokens": 20}}}
+        bench.live_path("base").write_text(json.dumps(record))
+        adopted[steps] = module.live_figures(bench, "base")["mtbench"].get("prompt_tau")
+    assert adopted == {9: None, 8: {"mtbench/81": 2.5, "mtbench/82": None}}
+    difference = module.json_safe(module.paired_tau_difference({"mtbench/81": 3.0, "mtbench/82": 1.5}, adopted[8]))
+    assert (difference["prompts"], difference["mean"], difference["stderr"], difference["no_steps"]) == (1, 0.5, None, 1)
+    assert module.paired_text(difference) == "+0.500 +- n/a (higher on 1 of 1)"
