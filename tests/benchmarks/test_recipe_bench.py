@@ -179,7 +179,7 @@ def test_a_rerun_skips_finished_variants_and_refuses_other_settings(bench: Path,
     assert difference["base"] is None and difference["g4"]["mtbench"] == {
         "prompts": 1, "mean": pytest.approx(g4_sample["tau"] - base_sample["tau"]), "stderr": None,
         "higher": int(g4_sample["tau"] > base_sample["tau"]), "lower": int(g4_sample["tau"] < base_sample["tau"]),
-        "equal": int(g4_sample["tau"] == base_sample["tau"])}
+        "equal": int(g4_sample["tau"] == base_sample["tau"]), "no_steps": 0}
     assert f"(higher on {difference['g4']['mtbench']['higher']} of 1)" in (out / "bench.md").read_text()
     again = step_records(out / "runs" / "g4")
     first = step_records(out / "runs" / "base")
