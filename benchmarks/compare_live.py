@@ -48,8 +48,8 @@ def compare_dataset(new: dict[str, Any], baseline: dict[str, Any]) -> dict[str, 
     paired = [prompt for prompt in new_by_id if prompt in base_by_id]
     if not paired:
         raise SystemExit(f"{new['dataset']}: no prompt id is in both evaluations")
-    difference = paired_tau_difference({p: new_by_id[p]["tau"] for p in paired},
-                                       {p: base_by_id[p]["tau"] for p in paired})
+    difference = paired_tau_difference({p: s["tau"] for p, s in new_by_id.items()},
+                                       {p: s["tau"] for p, s in base_by_id.items()})  # (it pairs them by id)
 
     def tau(by_id: dict[str, Any]) -> float:  # mean over the paired prompts' steps of (accepted + 1), as eval's tau
         accepted = [a for prompt in paired for a in by_id[prompt]["accepted"]]

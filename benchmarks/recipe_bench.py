@@ -673,7 +673,7 @@ def tau_text(tau: float | None, stderr: float | None) -> str:
 
 def paired_text(difference: dict[str, Any] | None) -> str:
     """A paired live difference: mean +- its standard error (higher on k of n prompts); - where there is none."""
-    if not difference or not difference["prompts"] or difference["mean"] is None:
+    if not difference or not difference["prompts"]:  # (with a prompt paired, the mean is a number)
         return "-"
     stderr = "n/a" if difference["stderr"] is None else f"{difference['stderr']:.3f}"
     return (f"{difference['mean']:+.3f} +- {stderr} (higher on {difference['higher']} of "
