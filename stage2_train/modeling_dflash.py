@@ -1432,14 +1432,16 @@ def clip_step(emitted: list[int], room: int, stops: set[int]) -> tuple[list[int]
 
 @dataclass
 class SpecResult:
-    """What one generation produced: new tokens only, per-step accepted draft counts, target steps, wall time, and
-    the decode path that ran (`TargetRunner.path`)."""
+    """What one generation produced: new tokens only, per-step accepted draft counts, target steps, wall time (of
+    which ``first_token_seconds`` went to the prompt's forward and the pick of the first token), and the decode path
+    that ran (`TargetRunner.path`)."""
 
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)
     steps: int = 0
     seconds: float = 0.0
     decode: str = "dynamic"
+    first_token_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -1562,7 +1564,8 @@ def speculative_generate(
         synchronize(runner.device)
         started = time.perf_counter()
         logits, features = runner.forward(prompt, 0, last_only=True)
-        bonus = pick_token(logits[-1], temperature, generator)
+        bonus = pick_token(logits[-1], temperature, generator)  # reads the token back: the prefill has run
+        first_token_seconds = time.perf_counter() - started
         tokens.append(bonus)
         assert features is not None
         drafter.extend(features)
@@ -1595,4 +1598,5 @@ def speculative_generate(
         synchronize(runner.device)
         seconds = time.perf_counter() - started
     return SpecResult(tokens=tokens, accepted=accepted, steps=len(accepted), seconds=seconds,
-                      decode=runner.path + runner.path_note + drafter.path_note)
+                      decode=runner.path + runner.path_note + drafter.path_note,
+                      first_token_seconds=first_token_seconds)

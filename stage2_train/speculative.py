@@ -52,7 +52,8 @@ def greedy_generate(
     synchronize(runner.device)
     started = time.perf_counter()
     logits, _ = runner.forward(prompt, 0, last_only=True)
-    token = pick_token(logits[-1], temperature, generator)
+    token = pick_token(logits[-1], temperature, generator)  # reads the token back: the prefill has run
+    first_token_seconds = time.perf_counter() - started
     tokens = [token]
     position = len(prompt)
     while token not in stops and len(tokens) < max_new_tokens:
@@ -63,7 +64,7 @@ def greedy_generate(
     synchronize(runner.device)
     seconds = time.perf_counter() - started
     return SpecResult(tokens=tokens, accepted=[0] * (len(tokens) - 1), steps=len(tokens) - 1, seconds=seconds,
-                      decode=runner.path + runner.path_note)
+                      decode=runner.path + runner.path_note, first_token_seconds=first_token_seconds)
 
 
 PROMPT_LOOKUP_TOKENS = 10  # tokens prompt lookup proposes at most a step (a verify block holds one more)
@@ -116,7 +117,8 @@ def prompt_lookup_generate(
     synchronize(runner.device)
     started = time.perf_counter()
     logits, _ = runner.forward(prompt, 0, last_only=True)
-    bonus = int(logits[-1].argmax())
+    bonus = int(logits[-1].argmax())  # reads the token back: the prefill has run
+    first_token_seconds = time.perf_counter() - started
     tokens, accepted = [bonus], []
     sequence = [*prompt, bonus]  # on the host: the lookup is a scan of a few thousand integers
     start = len(prompt)
@@ -143,7 +145,7 @@ def prompt_lookup_generate(
     synchronize(runner.device)
     seconds = time.perf_counter() - started
     return SpecResult(tokens=tokens, accepted=accepted, steps=len(accepted), seconds=seconds,
-                      decode=runner.path + runner.path_note)
+                      decode=runner.path + runner.path_note, first_token_seconds=first_token_seconds)
 
 
 @torch.inference_mode()

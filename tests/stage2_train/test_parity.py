@@ -321,6 +321,16 @@ def test_eval_report_fields_and_parity(exported: Path, tmp_path: Path) -> None:
         speedup_standard_error(tokens, seconds["dflash"], tokens, seconds["plain"]))
     assert d["speedup_stderr"]["dflash"] == pytest.approx(tau_standard_error(seconds["plain"], seconds["dflash"]))
     assert d["speedup_stderr"]["dflash"] > 0
+    # After the first token: the whole time less each prompt's forward (timed inside it), for every method.
+    for method in ("dflash", "plain", "prompt_lookup"):
+        firsts = [s["first_token_seconds"][method] for s in samples]
+        assert all(0 < first < s["seconds"][method] for first, s in zip(firsts, samples))
+        assert d["first_token_seconds_per_prompt"][method] == pytest.approx(sum(firsts) / 2)
+    after = [[t - 1 for t in tokens], [s["seconds"]["dflash"] - s["first_token_seconds"]["dflash"] for s in samples],
+             [t - 1 for t in tokens], [s["seconds"]["plain"] - s["first_token_seconds"]["plain"] for s in samples]]
+    assert d["decode_tokens_per_second"]["plain"] == pytest.approx(sum(after[2]) / sum(after[3]))
+    assert d["decode_speedup"]["dflash"] == pytest.approx(sum(after[3]) / sum(after[1]))
+    assert d["decode_speedup_stderr"]["dflash"] == pytest.approx(speedup_standard_error(*after))
     # The untrained drafter's live tau (~1) against the recorded offline test tau 4.0 +- 0.05: flagged.
     gap = d["tau_gap"]
     assert (gap["offline_split"], gap["offline_tau"], gap["live_tau"]) == ("test", 4.0, d["tau"])
@@ -330,6 +340,9 @@ def test_eval_report_fields_and_parity(exported: Path, tmp_path: Path) -> None:
     assert "- train/serve parity: prompts are rendered as the training cache's" in markdown
     assert "## Train/serve parity" in markdown and "**far below it**" in markdown
     assert "## Per prompt" in markdown and f"| mtbench | {samples[0]['id']} |" in markdown
+    first = d["first_token_seconds_per_prompt"]
+    assert (f"| mtbench | {first['dflash'] * 1000:.1f} / {first['plain'] * 1000:.1f} / "
+            f"{first['prompt_lookup'] * 1000:.1f} | {d['decode_tokens_per_second']['dflash']:.2f} |") in markdown
 
 
 def test_eval_cli_says_what_differs_for_a_users_prompts(exported: Path, tmp_path: Path) -> None:

@@ -357,6 +357,8 @@ def test_run_eval_end_to_end(exported: Path, tmp_path: Path) -> None:
     assert [s["accepted"] for s in only["samples"]] == [s["accepted"] for s in samples]
     assert only["new_tokens"]["plain"] == only["new_tokens"]["prompt_lookup"] == 0
     assert only["greedy_identical"] is None and math.isnan(only["speedup"]["dflash"])
+    assert math.isnan(only["first_token_seconds_per_prompt"]["plain"]) and math.isnan(only["decode_speedup"]["dflash"])
+    assert 0 < only["first_token_seconds_per_prompt"]["dflash"] < only["seconds_per_prompt"]["dflash"]
     assert alone["baselines"] is False and "| mtbench | 2 |" in (tmp_path / "alone" / "eval.md").read_text()
 
 
