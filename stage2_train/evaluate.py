@@ -9,8 +9,9 @@ are common, and a block of B tokens runs different kernels than one token: eithe
 choice). Such ties are counted in the report (`tie_divergences`) and only the common prefix is compared.
 
 Reported per dataset: tau (mean accepted + 1 over all speculative steps), P(accepted >= k) by block position,
-tokens/s of the three methods and the speedups over plain decoding with their standard errors over prompts, and per
-prompt its time and tokens/s by method. Written to OUT/eval.json, eval.md, eval.png.
+tokens/s of the three methods and the speedups over plain decoding with their standard errors over prompts, the same
+after the first token (each method's time to it, the prompt's forward, left out), and per prompt its time, time to
+the first token and tokens/s by method. Written to OUT/eval.json, eval.md, eval.png.
 
 Train/serve parity (`parity.py`): before decoding, the prompts' rendering (chat template and its arguments, e.g.
 ``--chat-template-kwargs '{"enable_thinking": false}'``, thinking mode, special and stop tokens, vocabulary) is compared
@@ -386,16 +387,25 @@ def training_acceptance(draft_dir: Path) -> dict[str, Any] | None:
             if test else None}
 
 
-def _rate(results: Sequence[SpecResult]) -> float:
-    seconds = sum(r.seconds for r in results)
-    return sum(len(r.tokens) for r in results) / seconds if seconds > 0 else math.nan
+def _rate(tokens: Sequence[int], seconds: Sequence[float]) -> float:
+    """Tokens per second pooled over prompts (nan where nothing was decoded)."""
+    return sum(tokens) / sum(seconds) if sum(tokens) > 0 and sum(seconds) > 0 else math.nan
 
 
-def _after_first_token(results: Sequence[SpecResult]) -> tuple[list[float], list[float]]:
-    """Per prompt: the tokens after the first and the seconds they took (the whole time less the time to the first
-    token): the decoding itself, without the prompt's forward."""
-    return ([max(len(r.tokens) - 1, 0) for r in results],
-            [max(r.seconds - r.first_token_seconds, 0.0) for r in results])
+def _over_plain(rates: Mapping[str, float]) -> dict[str, float]:
+    """Each method's rate over plain decoding's (nan where either is)."""
+    return {method: rates[method] / rates["plain"] if rates["plain"] > 0 else math.nan
+            for method in ("dflash", "prompt_lookup")}
+
+
+def _whole(results: Sequence[SpecResult]) -> tuple[list[int], list[float]]:
+    """Per prompt: the tokens made and the seconds they took."""
+    return [len(r.tokens) for r in results], [r.seconds for r in results]
+
+
+def _after_first_token(results: Sequence[SpecResult]) -> tuple[list[int], list[float]]:
+    """Per prompt: the tokens after the first and the seconds after the first token (`SpecResult.decode_seconds`)."""
+    return [max(len(r.tokens) - 1, 0) for r in results], [r.decode_seconds for r in results]
 
 
 def _mean_first_token_seconds(results: Sequence[SpecResult]) -> float:
@@ -426,25 +436,21 @@ def speedup_standard_error(fast_tokens: Sequence[float], fast_seconds: Sequence[
 def _summarise(name: str, samples: list[dict[str, Any]], runs: dict[str, list[SpecResult]], block_size: int,
                greedy: bool) -> dict[str, Any]:
     accepted = [a for r in runs["dflash"] for a in r.accepted]
-    rates = {method: _rate(results) for method, results in runs.items()}
-    plain = rates["plain"]
+    whole = {method: _whole(results) for method, results in runs.items()}
+    rates = {method: _rate(*per_prompt) for method, per_prompt in whole.items()}
     taus = [r.tau for r in runs["dflash"] if r.accepted]
     tau = (sum(a + 1 for a in accepted) / len(accepted)) if accepted else math.nan
     stderr = tau_standard_error([sum(a + 1 for a in r.accepted) for r in runs["dflash"]],
                                 [len(r.accepted) for r in runs["dflash"]])
     lookup_accepted = [a for r in runs["prompt_lookup"] for a in r.accepted]
-    speedup = {method: rates[method] / plain if plain and plain > 0 else math.nan
-               for method in ("dflash", "prompt_lookup")}
-    speedup_stderr = {method: speedup_standard_error(
-        [len(r.tokens) for r in runs[method]], [r.seconds for r in runs[method]],
-        [len(r.tokens) for r in runs["plain"]], [r.seconds for r in runs["plain"]]) for method in speedup}
-    # The decoding after the first token: a prompt's forward is the same work for every method, so including it
-    # pulls every speedup towards 1 (by more, the shorter the answers); these figures say by how much.
+    speedup = _over_plain(rates)
+    speedup_stderr = {method: speedup_standard_error(*whole[method], *whole["plain"]) for method in speedup}
+    # The decoding after the first token: every method runs the prompt's forward once (speculative decoding with the
+    # hooked layers' features too), which pulls every speedup towards 1, by more the shorter the answers; these
+    # figures leave it out.
     after = {method: _after_first_token(results) for method, results in runs.items()}
-    decode_rates = {method: sum(tokens) / sum(seconds) if sum(seconds) > 0 else math.nan
-                    for method, (tokens, seconds) in after.items()}
-    decode_speedup = {method: decode_rates[method] / decode_rates["plain"]
-                      if decode_rates["plain"] and decode_rates["plain"] > 0 else math.nan for method in speedup}
+    decode_rates = {method: _rate(*per_prompt) for method, per_prompt in after.items()}
+    decode_speedup = _over_plain(decode_rates)
     decode_speedup_stderr = {method: speedup_standard_error(*after[method], *after["plain"]) for method in speedup}
     for index, sample in enumerate(samples):  # per prompt: tokens/s by method and the speedups over plain decoding
         sample["tokens_per_second"] = {method: len(results[index].tokens) / results[index].seconds
@@ -518,7 +524,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
             f"{_fmt(tps['plain'])} | {_fmt(tps['prompt_lookup'])} | {_fmt(speedup['dflash'])}x +- "
             f"{_fmt(stderr['dflash'])} | {_fmt(speedup['prompt_lookup'])}x +- {_fmt(stderr['prompt_lookup'])} | "
             f"{_fmt(d['greedy_identical'])} | {_fmt(d['tie_divergences'])} |")
-    lines += ["", "After the first token (each prompt's forward left out: the same work for every method):", "",
+    lines += ["", "After the first token (each method's time to it, the prompt's forward, left out):", "",
               "| dataset | first token ms, dflash / plain / prompt lookup | dflash tok/s | plain tok/s "
               "| prompt lookup tok/s | dflash speedup +- s.e. | prompt lookup speedup +- s.e. |",
               "|---|---:|---:|---:|---:|---:|---:|"]
@@ -801,9 +807,10 @@ def run_eval(
                                       "steps": spec.steps, "tau": spec.tau, "accepted": spec.accepted,
                                       "seconds": {"dflash": spec.seconds, "plain": plain.seconds,
                                                   "prompt_lookup": lookup_result.seconds},
-                                      "first_token_seconds": {"dflash": spec.first_token_seconds,
-                                                              "plain": plain.first_token_seconds,
-                                                              "prompt_lookup": lookup_result.first_token_seconds}}
+                                      "first_token_seconds": {  # null for a method that did not run
+                                          method: result.first_token_seconds if result.tokens else math.nan
+                                          for method, result in (("dflash", spec), ("plain", plain),
+                                                                 ("prompt_lookup", lookup_result))}}
             if greedy and baselines:
                 sample.update(compare_greedy(target, prompt, ids, plain.tokens, spec.tokens))
                 sample["prompt_lookup_identical"] = lookup_result.tokens == plain.tokens

@@ -1454,6 +1454,11 @@ class SpecResult:
     def tokens_per_second(self) -> float:
         return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
 
+    @property
+    def decode_seconds(self) -> float:
+        """The time after the first token."""
+        return self.seconds - self.first_token_seconds
+
 
 def prompt_ids(input_ids: Any) -> list[int]:
     """One prompt's token ids from a [1, L] / [L] tensor, a list, or a mapping holding `input_ids` (what

@@ -462,3 +462,34 @@ def test_greedy_difference_that_is_no_tie_raises(env: dict) -> None:
     broken = [*reference[:3], 0, *reference[4:]]  # token 0 is never a near-top choice
     with pytest.raises(LosslessnessError, match="prompt p0: .* at new token 3"):
         compare_greedy(env["target"], Prompt("p0", []), ids, reference, broken)
+
+
+def test_summary_after_the_first_token_of_answers_that_stop_at_once_and_a_method_that_did_not_run() -> None:
+    """Answers of one token (a stop at once) decode nothing after it: no rate (nan, not 0 tok/s), no speedup; a method
+    that did not run (prompt lookup here) has no time to its first token; the figures that exist are those of the
+    prompts that decoded."""
+    from dflash.stage2_train.evaluate import _summarise, speedup_standard_error
+
+    def result(tokens: int, seconds: float, first: float) -> loop.SpecResult:
+        return loop.SpecResult(tokens=[5] * tokens, accepted=[0] * (tokens - 1), steps=tokens - 1, seconds=seconds,
+                               first_token_seconds=first)
+
+    samples: list[dict] = [{"id": i} for i in range(2)]
+    runs = {"dflash": [result(1, 0.02, 0.02), result(1, 0.03, 0.03)],
+            "plain": [result(1, 0.01, 0.01), result(1, 0.02, 0.02)],
+            "prompt_lookup": [loop.SpecResult(tokens=[]), loop.SpecResult(tokens=[])]}
+    summary = _summarise("d", samples, runs, block_size=16, greedy=False)
+    assert summary["first_token_seconds_per_prompt"]["dflash"] == pytest.approx(0.025)
+    assert summary["first_token_seconds_per_prompt"]["plain"] == pytest.approx(0.015)
+    assert math.isnan(summary["first_token_seconds_per_prompt"]["prompt_lookup"])
+    assert all(math.isnan(rate) for rate in summary["decode_tokens_per_second"].values())
+    assert all(math.isnan(v) for v in [*summary["decode_speedup"].values(), *summary["decode_speedup_stderr"].values()])
+
+    runs["dflash"][1], runs["plain"][1] = result(9, 0.05, 0.03), result(9, 0.10, 0.02)
+    summary = _summarise("d", samples, runs, block_size=16, greedy=False)
+    assert summary["decode_tokens_per_second"]["dflash"] == pytest.approx(8 / 0.02)
+    assert summary["decode_tokens_per_second"]["plain"] == pytest.approx(8 / 0.08)
+    assert summary["decode_speedup"]["dflash"] == pytest.approx(4.0)
+    assert summary["speedup"]["dflash"] == pytest.approx((10 / 0.07) / (10 / 0.11))  # the whole time: nearer 1
+    assert summary["decode_speedup_stderr"]["dflash"] == pytest.approx(
+        speedup_standard_error([0, 8], [0.0, 0.02], [0, 8], [0.0, 0.08]))
