@@ -453,9 +453,7 @@ def _summarise(name: str, samples: list[dict[str, Any]], runs: dict[str, list[Sp
     decode_speedup = _over_plain(decode_rates)
     decode_speedup_stderr = {method: speedup_standard_error(*after[method], *after["plain"]) for method in speedup}
     for index, sample in enumerate(samples):  # per prompt: tokens/s by method and the speedups over plain decoding
-        sample["tokens_per_second"] = {method: len(results[index].tokens) / results[index].seconds
-                                       if results[index].seconds > 0 else math.nan
-                                       for method, results in runs.items()}
+        sample["tokens_per_second"] = {method: results[index].tokens_per_second for method, results in runs.items()}
         base = sample["tokens_per_second"]["plain"]
         sample["speedup"] = {method: sample["tokens_per_second"][method] / base if base > 0 else math.nan
                              for method in speedup}
