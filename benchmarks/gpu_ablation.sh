@@ -4,7 +4,7 @@
 # `gpu_pipeline.sh setup model` (see its header for the carried folders; .carry_old/ holds commit ed327ed's
 # shared/ stage1_extract/ stage2_train/, the padded code before packing, copied to $OLD_CODE in call 1).
 #
-# 1. one fp8 cache of the carried conversations with the target's top-32 next tokens and its last 5 decoder layers
+# 1. one fp8 cache of the carried conversations with the target's top-32 next tokens
 # 2. RUNS drafters trained side by side for the same wall time (TRAIN_END, epoch seconds, or TRAIN_SECONDS), each
 #    with the same sequences per step (49,152 packed context + block tokens hold about the 30 sequences that 16,384
 #    padded context tokens held), every validation evaluation over the whole split (the padded code's held-out
@@ -13,8 +13,8 @@
 #      ce       packed, default density, cross-entropy (the reference recipe on the new layout)
 #      d2       packed, density 1/2 (the default-density choice)
 #      kl, mix  packed, distillation from the stored top-32 (--loss kl / mix, weight 0.5)
-#      init     packed, cross-entropy, layers and final norm from the target's last 5 layers
-#      mixinit  mix and init together
+#    (the runs `init` and `mixinit`, layers from the target's, went with `--init-from-target` on 2026-12-07: it
+#    trained worse, docs/benchmarks.md)
 #    Runs side by side share the GPU by time slices, so equal wall time is about equal GPU time; tokens/s are
 #    those of a shared GPU. On a machine of several GPUs (an x8 kind, where lent) each run trains on its own GPU
 #    (gpu_pipeline.sh's GPUS / GPU_OFFSET: padded on GPU 0, the others from GPU 1): equal GPU time exactly, and
@@ -47,7 +47,7 @@ EVAL_SECONDS=${EVAL_SECONDS:-300}  # each eval process is stopped after this (th
 # tau alone, one CPU thread per process (14 of them share 16 cores): plain and prompt-lookup decoding of SmolLM2 run
 # at ~25-30 tok/s here (h200_headline_anchors), two thirds of an evaluation's time
 EVAL_FLAGS=${EVAL_FLAGS:---no-baselines --threads 1}
-RUNS=${RUNS:-padded ce d2 kl mix init mixinit}
+RUNS=${RUNS:-padded ce d2 kl mix}
 export OUT WORK DTYPES=fp8 VERIFY=0 GEN_SECONDS=0 TRAIN_MARGIN=${TRAIN_MARGIN:-200}
 mkdir -p "$OUT" "$WORK/import/dflash"
 for package in shared stage1_extract stage2_train; do ln -sfn "$PWD/$package" "$WORK/import/dflash/$package"; done
@@ -55,7 +55,7 @@ export PYTHONPATH=/tmp/site:$WORK/import:$PWD PYTHONUNBUFFERED=1 DFLASH_HOME=${D
 stage() { printf '%s\t%s\n' "$(date +%s)" "$*" | tee -a "$OUT/ablation_stages.tsv"; }
 
 stage start
-EXTRACT_FLAGS="--store-target-topk 32 --export-layers last:5" bash benchmarks/gpu_pipeline.sh generate extract
+EXTRACT_FLAGS="--store-target-topk 32" bash benchmarks/gpu_pipeline.sh generate extract
 [ -f "$WORK/cache_fp8/manifest.json" ] || { stage "no cache: stop"; exit 1; }
 du -sb "$WORK/cache_fp8" "$WORK/cache_fp8/target" >"$OUT/cache_bytes.txt"
 python3 -m dflash.shared.cli inspect --cache "$WORK/cache_fp8" --json >"$OUT/inspect_fp8.json" 2>"$OUT/inspect_fp8.err"
@@ -70,8 +70,6 @@ for run in $RUNS; do
     d2) variants+=" d2:1e-3:$common,--anchor-density=0.5" ;;
     kl) variants+=" kl:1e-3:$common,--loss=kl" ;;
     mix) variants+=" mix:1e-3:$common,--loss=mix" ;;
-    init) variants+=" init:1e-3:$common,--init-from-target=last" ;;
-    mixinit) variants+=" mixinit:1e-3:$common,--loss=mix,--init-from-target=last" ;;
     esac
 done
 # Both pipelines calibrate (60 steps) at the same moment, then train for what is left of TRAIN_SECONDS.

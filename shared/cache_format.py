@@ -63,7 +63,6 @@ LOCKS_DIR = "locks"
 CACHE_LOCK_FILE = "cache.lock"  # in locks/: see `CacheHold`
 LOG_FILE = "extract.log"
 EMBEDDINGS_FILE = "embeddings.safetensors"
-DECODER_LAYERS_FILE = "decoder_layers.safetensors"  # in target/, only with `dflash extract --export-layers`
 TARGET_RECORD_FILE = "dflash_target.json"  # in target/: stop token ids, embedding scale, model type
 # Everything a cache directory may hold (anything else: the folder is not a cache; extract will not write there).
 CACHE_ENTRIES = (MANIFEST_FILE, MANIFEST_FILE + ".lock", LOG_FILE, TARGET_DIR, SHARDS_DIR, STATUS_DIR, LOCKS_DIR)
@@ -567,18 +566,6 @@ def read_target_record(cache_dir: Path) -> dict[str, Any]:
         config = json.loads((cache_dir / TARGET_DIR / "config.json").read_text())
         record["model_type"] = config.get("text_config", config).get("model_type")
     return record
-
-
-def read_layer_record(path: Path) -> dict[str, Any]:
-    """The record in the metadata of a target/decoder_layers.safetensors (`dflash extract --export-layers`):
-    `layer_ids` (the target layers it holds), `norm_weight_offset` (what the target's RMSNorms add to their weight:
-    0, 1 for zero-centred norms, None if unknown) and `left_out` (the layer tensors not exported, e.g. biases)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata() or {}
-    return {key: json.loads(metadata[key]) for key in ("layer_ids", "norm_weight_offset", "left_out")
-            if key in metadata}
 
 
 # ------------------------------------------------------------------------------------------------- status

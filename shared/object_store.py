@@ -176,7 +176,7 @@ def publish(staging: Path, url: str, *, overwrite: bool = False, only: set[int] 
                     for p in sorted((staging / cf.TARGET_DIR).rglob("*")) if p.is_file()]
     if remote is None:  # the target files first: a manifest in the bucket promises them
         _upload_files(bucket, target_files)
-    else:  # target files made since the first publish (`--export-layers` on a rerun) or changed in size
+    else:  # target files made since the first publish or changed in size
         import obstore
 
         sizes = {meta["path"]: meta["size"] for batch in obstore.list(bucket, cf.TARGET_DIR + "/") for meta in batch}

@@ -6,8 +6,6 @@
       train_options.json           the options the run was started with (cache path, split fraction, seed, ...)
       draft_config.json            the drafter's config (sizes, layers, mask token)
       cache_manifest.json          the manifest of the cache it trains from (what the export records)
-      target_init.json             with --init-from-target: the target tensors copied into the drafter (and the
-                                   skipped ones); every export carries a copy
       metrics.jsonl                one line per step and per evaluation
       training.png, tensorboard/   plots
       checkpoints/step-NNNNNNNN/   Accelerate state + data position; `complete` marks a fully written one
@@ -30,7 +28,9 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TARGET_INFO_FILE = "dflash_target.json"  # the target (and run) the drafter was trained for
 BEST_RECORD_FILE = "best.json"  # in export_best/: the step and validation tau of that evaluation
-TARGET_INIT_FILE = "target_init.json"  # in a run and its exports: what --init-from-target copied
+# Written by `dflash train --init-from-target` until its removal (2026-12-07: it trained worse, docs/benchmarks.md):
+# a run directory made then may hold it, and `--overwrite` discards it with the rest.
+RETIRED_RUN_FILES = ("target_init.json",)
 CHECKPOINT_COMPLETE_FILE = "complete"  # in a checkpoint folder: written last
 
 
@@ -47,8 +47,9 @@ class RunFiles:
 
     def results(self) -> list[Path]:
         """What a run produced (the logs aside): what `dflash train --overwrite` discards."""
-        return [self.options, self.draft_config, self.cache_manifest, self.target_init, self.metrics, self.plot,
-                self.tensorboard, self.checkpoints, self.export, self.export_best, self.test_results]
+        return [self.options, self.draft_config, self.cache_manifest, self.metrics, self.plot, self.tensorboard,
+                self.checkpoints, self.export, self.export_best, self.test_results,
+                *(self.root / name for name in RETIRED_RUN_FILES)]
 
     def entries(self) -> list[str]:
         """Every name a run directory may hold (anything else: the folder is not a run; train will not write
@@ -73,10 +74,6 @@ class RunFiles:
     @property
     def cache_manifest(self) -> Path:
         return self.root / "cache_manifest.json"
-
-    @property
-    def target_init(self) -> Path:
-        return self.root / TARGET_INIT_FILE
 
     @property
     def metrics(self) -> Path:

@@ -314,7 +314,6 @@ class TargetTraits(NamedTuple):
     """What `inspect_target` reads off the target's modules."""
 
     embed_scale: float  # the factor its input embedding multiplies the rows by (Gemma: sqrt(hidden); else 1.0)
-    norm_weight_offset: float | None  # what its RMSNorms add to their weight (`target_layers.norm_weight_offset`)
 
 
 def inspect_target(load_path: str) -> TargetTraits:
@@ -322,13 +321,13 @@ def inspect_target(load_path: str) -> TargetTraits:
 
     Builds the model transformers makes for the config on the meta device (no weights loaded): the model type needs
     a causal LM class (`AutoModelForCausalLM`), its decoder layers must be found (`decoder_layers`); the embedding
-    scale and the norm convention are read off its modules.
+    scale is read off its modules.
     """
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.shared.target_layers import decoder_layers, embedding_scale, norm_weight_offset
+    from dflash.shared.target_layers import decoder_layers, embedding_scale
 
     folder = local_model_files(load_path)
     try:
@@ -348,7 +347,7 @@ def inspect_target(load_path: str) -> TargetTraits:
     if len(layers) != expected:
         raise ModelLoadError(f"{load_path}: `get_decoder().layers` of {type(model).__name__} holds {len(layers)} "
                              f"layers, the config says {expected}; dflash cannot tell which layer is which")
-    return TargetTraits(embedding_scale(model), norm_weight_offset(model))
+    return TargetTraits(embedding_scale(model))
 
 
 def stop_token_ids(load_path: str, tokenizer: Any) -> list[int]:

@@ -76,11 +76,6 @@ def _shard_spec(_ctx: click.Context, _param: click.Parameter, value: str | None)
                    "log-probabilities (what `dflash train --loss kl|mix` distils; K * 4 bytes per supervised token "
                    "for vocabularies up to 65,536, K * 6 above; docs/cache-format.md). The forward then runs to the "
                    "LM head.")
-@click.option("--export-layers", default=None, metavar="last[:N]|first[:N]|all|I,J,...",
-              help="Also copy these target decoder layers (attention, MLP and norm weights) and the final norm into "
-                   "target/decoder_layers.safetensors, for `dflash train --init-from-target` (last / first = as "
-                   "many as layers are captured). One layer of Qwen3-8B is ~0.4 GB in bf16. Rerunning extract with "
-                   "it on a finished cache adds the layers and redoes no shard.")
 @click.option("--overwrite", is_flag=True,
               help="Redo the selected shards even if complete; discard the cache if its settings differ. Asks first "
                    "on a terminal; elsewhere refused without --yes.")

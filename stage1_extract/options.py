@@ -28,7 +28,6 @@ class ExtractOptions:
     batch_tokens: int | None = None
     feature_dtype: str = FEATURE_DTYPES[0]  # the CLI default (docs/benchmarks.md "fp8 features")
     store_target_topk: int | None = None  # K: store the target's top-k next-token distribution (None: do not)
-    export_layers: str | None = None  # decoder layers copied into target/ for `dflash train --init-from-target`
     overwrite: bool = False
     redo: bool = False  # --repair: redo the selected shards even if complete; never discard the cache
     verbose: bool = False
@@ -42,7 +41,7 @@ class ExtractOptions:
         return {"model": local(self.model), "data": local(self.data), "column": self.column, "split": self.split,
                 "max_samples": self.max_samples, "max_length": self.max_length, "overlength": self.overlength,
                 "target_layers": layer_ids, "feature_dtype": self.feature_dtype, "batch_tokens": self.batch_tokens,
-                "store_target_topk": self.store_target_topk, "export_layers": self.export_layers}
+                "store_target_topk": self.store_target_topk}
 
 
 @dataclass

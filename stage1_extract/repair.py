@@ -13,6 +13,8 @@ from dflash.shared import object_store
 from dflash.stage1_extract.options import ExtractOptions
 from dflash.stage1_extract.supervisor import ExtractRefused, run_extract
 
+RETIRED_OPTIONS = ("export_layers",)  # recorded in manifests by earlier versions; nothing of a shard depends on them
+
 
 def repair_options(out: Path, workers: int | None = None, verbose: bool = False) -> tuple[ExtractOptions, list[int]]:
     """The options of the run that made the cache `out` (from its manifest) and the shards to redo (those `dflash
@@ -30,6 +32,9 @@ def repair_options(out: Path, workers: int | None = None, verbose: bool = False)
     damaged = set(verify_cache(out))
     unfinished = {int(k) for k, e in manifest["shards"].items() if e.get("status") != cf.SHARD_DONE}
     shards = sorted(damaged | unfinished)
+    # `export_layers` (`--export-layers`, removed 2026-12-07 with `dflash train --init-from-target`) wrote no shard
+    # data: a manifest of a cache made with it repairs without it.
+    recorded = {name: value for name, value in recorded.items() if name not in RETIRED_OPTIONS}
     options = ExtractOptions(out=out, **recorded, only_shards=",".join(map(str, shards)) or None, redo=True,
                              workers=workers, verbose=verbose)
     return options, shards

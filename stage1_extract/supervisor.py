@@ -27,7 +27,7 @@ from dflash.shared.interrupts import interrupt_signal, raise_interrupt
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.output_dirs import refuse_foreign_folder
 from dflash.shared.processes import stop_processes
-from dflash.shared.target_layers import default_layer_ids, select_layers, validate_layer_ids
+from dflash.shared.target_layers import default_layer_ids, validate_layer_ids
 from dflash.shared.target_loading import (
     ResolvedTarget,
     inspect_target,
@@ -39,7 +39,7 @@ from dflash.shared.target_loading import (
 )
 from dflash.stage1_extract.conversations import LoadedConversations, load_conversations, template_fingerprint
 from dflash.stage1_extract.options import ExtractOptions
-from dflash.stage1_extract.target_export import export_decoder_layers, export_target_files
+from dflash.stage1_extract.target_export import export_target_files
 from dflash.stage1_extract.worker import ShardTask, WorkerConfig, worker_main
 
 log = get_logger(__name__)
@@ -180,8 +180,6 @@ class Supervisor:
             layer_ids = validate_layer_ids(list(opts.target_layers), num_layers)
         else:
             layer_ids = validate_layer_ids(default_layer_ids(num_layers, opts.draft_layers), num_layers)
-        exported = (select_layers(opts.export_layers, num_layers, len(layer_ids), "--export-layers")
-                    if opts.export_layers else [])
         tokenizer = load_tokenizer(target.load_path)
         log.info("target %s: %d layers, hidden %d; capturing layers %s", target.display_name, num_layers, hidden,
                  layer_ids)
@@ -215,11 +213,6 @@ class Supervisor:
         if not (self.cache_dir / cf.TARGET_DIR / cf.EMBEDDINGS_FILE).is_file():
             export_target_files(folder, tokenizer, self.cache_dir / cf.TARGET_DIR, stops,
                                 embed_scale=traits.embed_scale)
-        if exported:
-            written = export_decoder_layers(folder, exported, self.cache_dir / cf.TARGET_DIR, traits.norm_weight_offset)
-            log.info("--export-layers: target decoder layers %s and the final norm %s %s/%s", exported,
-                     f"written ({written / 1e6:.1f} MB)" if written else "already in", cf.TARGET_DIR,
-                     cf.DECODER_LAYERS_FILE)
         return manifest, data, target, stops
 
     def _existing_manifest(self) -> dict[str, Any] | None:

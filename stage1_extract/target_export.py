@@ -2,9 +2,7 @@
 
 config.json, generation_config.json, the tokenizer files, dflash_target.json (stop ids, the embedding scale, the
 model type), and embeddings.safetensors with the input embedding
-(`embed_tokens.weight`) and the LM head (`lm_head.weight`). With `--export-layers`, also decoder_layers.safetensors:
-the chosen decoder layers and the final norm, for `dflash train --init-from-target` (`export_decoder_layers`). The
-tensors are read straight from the checkpoint's safetensors files, so neither this stage's supervisor nor stage 2
+(`embed_tokens.weight`) and the LM head (`lm_head.weight`). The tensors are read straight from the checkpoint's safetensors files, so neither this stage's supervisor nor stage 2
 ever loads the full target.
 """
 
@@ -12,14 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-from dflash.shared.cache_format import DECODER_LAYERS_FILE, EMBEDDINGS_FILE, TARGET_RECORD_FILE, read_layer_record
-from dflash.shared.errors import UserError
-from dflash.shared.target_layers import DECODER_LAYER_TENSORS
+from dflash.shared.cache_format import EMBEDDINGS_FILE, TARGET_RECORD_FILE
 
 EMBED_SUFFIX = "embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
@@ -83,61 +78,3 @@ def export_target_files(model_folder: Path, tokenizer: Any, target_dir: Path, st
     (tmp / TARGET_RECORD_FILE).write_text(json.dumps(record, indent=2))
     shutil.rmtree(target_dir, ignore_errors=True)
     os.replace(tmp, target_dir)
-
-
-def _text_prefix(files: list[Path]) -> str:
-    """The name prefix of the text decoder's tensors (`model.`, `model.language_model.`, ...): that of its
-    `embed_tokens.weight`, found as `_find_tensors` finds the embedding."""
-    from safetensors import safe_open
-
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                if key.endswith(EMBED_SUFFIX) and "vision" not in key:
-                    return key[: -len(EMBED_SUFFIX)]
-    raise KeyError(f"no '*{EMBED_SUFFIX}' tensor in {files[0].parent}")
-
-
-def export_decoder_layers(model_folder: Path, layer_ids: list[int], target_dir: Path,
-                          norm_weight_offset: float | None) -> int:
-    """Write target_dir/decoder_layers.safetensors: `layers.{i}.NAME` for each target layer i of `layer_ids` and each
-    NAME of `DECODER_LAYER_TENSORS` the checkpoint has, and `norm.weight` (the final norm), in the checkpoint's
-    dtype. Layers an earlier run exported there are kept. The metadata records the layer ids, the norms' weight
-    offset (`target_layers.norm_weight_offset`) and the names of the layer tensors left out (biases, experts, ...).
-    Returns the bytes of the tensors written (0 when every layer was there already)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    path = target_dir / DECODER_LAYERS_FILE
-    previous = read_layer_record(path).get("layer_ids", []) if path.is_file() else []
-    if set(layer_ids) <= set(previous):
-        return 0
-    wanted = sorted(set(previous) | set(layer_ids))
-    files = sorted(model_folder.glob("*.safetensors"))
-    prefix = _text_prefix(files)
-    pattern = re.compile(re.escape(prefix) + r"layers\.(\d+)\.(.+)")
-    tensors: dict[str, Any] = {}
-    left_out: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                if key == f"{prefix}norm.weight":
-                    tensors["norm.weight"] = handle.get_tensor(key)
-                match = pattern.fullmatch(key)
-                if match is None or int(match.group(1)) not in wanted:
-                    continue
-                if match.group(2) in DECODER_LAYER_TENSORS:
-                    tensors[f"layers.{match.group(1)}.{match.group(2)}"] = handle.get_tensor(key)
-                else:
-                    left_out.add(re.sub(r"\.\d+\.", ".*.", match.group(2)))
-    missing = [i for i in wanted if not any(k.startswith(f"layers.{i}.") for k in tensors)]
-    if missing or "norm.weight" not in tensors:
-        raise UserError(f"--export-layers: {model_folder} has no tensors named {prefix}layers.N.* for layers "
-                        f"{missing}" + ("" if "norm.weight" in tensors else f" and no final norm {prefix}norm.weight")
-                        + ": this target's layers cannot be exported; leave out --export-layers")
-    metadata = {"layer_ids": json.dumps(wanted), "norm_weight_offset": json.dumps(norm_weight_offset),
-                "left_out": json.dumps(sorted(left_out))}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
-    return sum(t.numel() * t.element_size() for t in tensors.values())

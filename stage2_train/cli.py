@@ -106,11 +106,6 @@ from dflash.stage2_train.options import ARCHITECTURES, COMPILE_MIN_STEPS, SELECT
 @click.option("--init-from", type=click.Path(path_type=Path), default=None, metavar="EXPORT_DIR",
               help="Start from the weights of an exported drafter of the same shape and target (a new optimizer and "
                    "schedule): train on across sessions, or fine-tune on other data.")
-@click.option("--init-from-target", default=None, is_flag=False, flag_value="last", metavar="last|first|I,J,...",
-              help="Start each drafter layer from a target decoder layer (attention, MLP and norm weights where the "
-                   "shapes match) and the final norm from the target's: last (the default when given alone) = the "
-                   "last --draft-layers target layers, first, or one target layer id per drafter layer. Needs a "
-                   "cache extracted with --export-layers naming them. Which choice trains best is to be measured.")
 @click.option("--seed", type=int, default=TrainOptions.seed, show_default=True,
               help="Seed of the split, the shuffles, the anchors and the initial weights.")
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa", "eager"]), default=TrainOptions.attention,

@@ -21,7 +21,7 @@ import torch
 
 from dflash.shared.cache_format import RENDERING_KEY
 from dflash.shared.errors import UserError, hidden_os_error
-from dflash.shared.run_files import CONFIG_FILE, TARGET_INFO_FILE, TARGET_INIT_FILE, WEIGHTS_FILE, RunFiles
+from dflash.shared.run_files import CONFIG_FILE, TARGET_INFO_FILE, WEIGHTS_FILE
 from dflash.stage2_train.draft_attention import AttnImplementation, training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig
 from dflash.stage2_train.modeling_dflash import DFlashDraftModel
@@ -31,9 +31,8 @@ MODELING_FILE = "modeling_dflash.py"  # the drafter and its loop (stage2_train/m
 
 def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any], *, run_dir: Path | None = None,
                  extra_files: dict[str, str] | None = None) -> None:
-    """Write config.json + model.safetensors (bf16), the target record (with the run directory it came from), the
-    run's target_init.json (--init-from-target) if it has one, and any extra_files (name: text), atomically into
-    out_dir."""
+    """Write config.json + model.safetensors (bf16), the target record (with the run directory it came from) and
+    any extra_files (name: text), atomically into out_dir."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -67,8 +66,6 @@ def export_draft(model: DFlashDraftModel, out_dir: Path, manifest: dict[str, Any
     }
     (tmp / TARGET_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     shutil.copy(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
-    if run_dir is not None and RunFiles(Path(run_dir)).target_init.is_file():
-        shutil.copy(RunFiles(Path(run_dir)).target_init, tmp / TARGET_INIT_FILE)
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
     shutil.rmtree(out_dir, ignore_errors=True)

@@ -65,7 +65,6 @@ class TrainOptions:
     resume: bool = False
     overwrite: bool = False
     init_from: Path | None = None
-    init_from_target: str | None = None  # target layers to start from (target_init.py): last, first or ids
     seed: int = 0
     attention: str = "auto"
     compile: bool | None = None  # None: chosen by the device and the run's length (fast_path.py)

@@ -40,7 +40,6 @@ from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.packed_batches import CacheBatches
 from dflash.stage2_train.packed_loader import make_loader
 from dflash.stage2_train.shape_buckets import bucket
-from dflash.stage2_train.target_init import init_from_target
 from dflash.stage2_train.target_parts import TargetParts, load_target_parts, resolve_mask_token
 
 log = get_logger(__name__)
@@ -102,7 +101,6 @@ class TrainingRun:
     memory_hold: SmallerBudgetHold | None = None  # the last retry's smaller plan: how long it holds (not checkpointed)
     planned_memory_returns: int = 0  # how often `memory` went back to `planned_memory`
     state: TrainState = field(default_factory=TrainState)
-    target_init: dict[str, Any] | None = None  # what --init-from-target copied (`target_init.init_from_target`)
     best_tau: float = -math.inf  # the best validation walk tau after step 0 (export_best/)
     lock: Any = None  # the run directory's lock, held by the main process until the run ends
 
@@ -171,9 +169,6 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     and the objective that follows them), optimizer and schedule, compile; then the resume point (checkpoint
     loaded) and the run's records on disk."""
     check_cache_for(options.loss, cf.read_manifest(options.cache.resolve()), options.cache)
-    if options.init_from is not None and options.init_from_target is not None:
-        raise UserError("--init-from EXPORT_DIR and --init-from-target both choose the drafter's first weights: "
-                        "give one of them")
     files = RunFiles(options.out.resolve())
     lock = claim_run_dir(options, files)
     accelerator, precision = make_accelerator(options, files)
@@ -192,7 +187,6 @@ def setup_run(options: TrainOptions) -> TrainingRun:
     model = training_drafter(config, options.attention)
     if options.init_from is not None:
         init_from_export(model, config, manifest, options.init_from)
-    target_init = init_from_target(model, cache, options.init_from_target) if options.init_from_target else None
     # Frozen target parts in the compute dtype (bf16 under mixed precision; fp32 otherwise, e.g. CPU tests).
     compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     device = accelerator.device
@@ -206,8 +200,7 @@ def setup_run(options: TrainOptions) -> TrainingRun:
                                           device=device),
         host_position_weights=position_weights(options.block_size,
                                                options.gamma or default_gamma(options.block_size)),
-        bucket_multiple=128 if device.type == "cuda" else 16, steps_per_epoch=0, total_steps=0, lock=lock,
-        target_init=target_init)
+        bucket_multiple=128 if device.type == "cuda" else 16, steps_per_epoch=0, total_steps=0, lock=lock)
     # Each epoch packs a new shuffle into token-budget micro-batches, so epochs differ in step count.
     run.steps_per_epoch = run.steps_in_epoch(0)
     if run.steps_per_epoch == 0:
@@ -685,14 +678,8 @@ def resume(run: TrainingRun) -> None:
 
 
 def write_run_records(run: TrainingRun) -> None:
-    """What the run was made from, beside its results: options, drafter config, the cache's manifest, and what
-    --init-from-target copied (kept from the run's start when it resumed from a checkpoint)."""
+    """What the run was made from, beside its results: options, drafter config and the cache's manifest."""
     options = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(run.options).items()}
     run.files.options.write_text(json.dumps({**options, "total_steps": run.total_steps}, indent=2))
     run.files.draft_config.write_text(json.dumps(run.config.to_dict(), indent=2))
     cf.write_json_atomic(run.files.cache_manifest, run.manifest)
-    if run.state.step == 0:  # the weights are the initial ones: record how they were made
-        if run.target_init is not None:
-            cf.write_json_atomic(run.files.target_init, run.target_init)
-        else:
-            run.files.target_init.unlink(missing_ok=True)

@@ -96,14 +96,14 @@ def test_extract_flags_reach_every_extraction(tmp_path: Path) -> None:
     calls_file = tmp_path / "calls.jsonl"
     env = {**os.environ, "STUB_CALLS": str(calls_file), "DF": f"{shlex.quote(sys.executable)} {stub}",
            "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "DTYPES": "bf16 fp8", "VERIFY": "0",
-           "EXTRACT_FLAGS": "--store-target-topk 32 --export-layers last:5"}
+           "EXTRACT_FLAGS": "--store-target-topk 32 --max-length 1024"}
     result = subprocess.run(["bash", "benchmarks/gpu_pipeline.sh", "extract"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     extracts = [json.loads(line) for line in calls_file.read_text().splitlines()]
     assert [c[c.index("--feature-dtype") + 1] for c in extracts] == ["bf16", "fp8"]
     for call in extracts:
-        assert call[-4:] == ["--store-target-topk", "32", "--export-layers", "last:5"]
+        assert call[-4:] == ["--store-target-topk", "32", "--max-length", "1024"]
 
 
 # Generation over several calls and sessions (issue 29: four times the data): `turns`, `generate` (its dflash

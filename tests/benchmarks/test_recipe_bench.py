@@ -603,14 +603,13 @@ def test_the_gpu_driver_makes_the_top_k_cache_from_the_carried_conversations(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     extract = json.loads((tmp_path / "extract.json").read_text())
     assert extract[:5] == ["extract", "--data", str(work / "gen" / "finished.jsonl"), "--out", str(work / "cache_fp8")]
-    assert " ".join(extract[5:]) == ("--max-length 2048 --feature-dtype fp8 --store-target-topk 32 "
-                                     "--export-layers last:5")
+    assert " ".join(extract[5:]) == "--max-length 2048 --feature-dtype fp8 --store-target-topk 32"
     assert [json.loads(line)["id"] for line in (work / "gen" / "finished.jsonl").read_text().splitlines()] == [
         "c0", "c1", "c2"]
     args = json.loads((tmp_path / "calls.json").read_text())["args"]
     assert args[args.index("--cache") + 1] == str(work / "cache_fp8")
-    assert [args[i + 1] for i, a in enumerate(args) if a == "--variant"] == [  # the default: question c
-        "random=", "last=--init-from-target last", "first=--init-from-target first"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--variant"] == [  # the default: question d
+        "lr1e-3=", "lr2e-3=--lr 2e-3", "lr5e-4=--lr 5e-4"]
     assert args[args.index("--steps") + 1] == "600" and "--seeds" not in args and "--steps-of" not in args
     assert args[args.index("--train-flags") + 1].endswith("--attention flex --compile")  # every variant fast
     stages = (out / "recipe_bench_stages.tsv").read_text()

@@ -233,6 +233,23 @@ def test_repair_redoes_exactly_the_damaged_shards(baseline_cache: Path, tmp_path
     assert stamps(cache) == before  # looking writes nothing
 
 
+@case(1)
+def test_repair_of_a_cache_recording_a_retired_option_leaves_it_out(baseline_cache: Path, tmp_path: Path) -> None:
+    """A cache extracted before 2026-12-07 with --export-layers (removed) records `export_layers`: --repair redoes
+    its damaged shards with the other recorded options (cheap: no extraction)."""
+    from dflash.stage1_extract.repair import repair_options
+
+    cache = cheap_copy(baseline_cache, tmp_path / "cache")
+    manifest = json.loads((cache / cf.MANIFEST_FILE).read_text())
+    recorded = dict(manifest[cf.OPTIONS_KEY])
+    manifest[cf.OPTIONS_KEY]["export_layers"] = "last:5"
+    (cache / cf.MANIFEST_FILE).write_text(json.dumps(manifest))
+    damage(cache, 1, "flip")
+    options, shards = repair_options(cache)
+    assert shards == [1] and {k: getattr(options, k) for k in recorded} == recorded
+    assert not hasattr(options, "export_layers")
+
+
 def assert_repair_keeps_healthy_shards(baseline_cache: Path, cache: Path, damaged: dict[int, str]) -> None:
     for shard, how in damaged.items():
         damage(cache, shard, how)

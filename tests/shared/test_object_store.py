@@ -153,16 +153,16 @@ def test_an_interrupted_upload_never_shows_a_shard_as_done(s3_env: dict[str, str
 
 def test_a_target_file_made_after_the_first_publish_goes_up_with_the_next(s3_env: dict[str, str],
                                                                          tmp_path: Path) -> None:
-    """`dflash extract --export-layers` on a rerun adds target/decoder_layers.safetensors to a published cache."""
+    """A target file the staging cache gained after its first publish goes up with the next one."""
     staging = build_cache(tmp_path / "staging", [5])
     (staging / cf.TARGET_DIR).mkdir()
     (staging / cf.TARGET_DIR / "config.json").write_text("{}")
     url = "s3://caches/later-target-file"
     assert osx.publish(staging, url, log=lambda _: None)["published"] == 1
-    (staging / cf.TARGET_DIR / cf.DECODER_LAYERS_FILE).write_bytes(b"layers")
+    (staging / cf.TARGET_DIR / "generation_config.json").write_bytes(b"{ }")
     assert osx.publish(staging, url, log=lambda _: None)["already"] == 1
     mirror = osx.mirror(url, tmp_path / "mirror")
-    assert (mirror / cf.TARGET_DIR / cf.DECODER_LAYERS_FILE).read_bytes() == b"layers"
+    assert (mirror / cf.TARGET_DIR / "generation_config.json").read_bytes() == b"{ }"
     assert (mirror / cf.TARGET_DIR / "config.json").read_text() == "{}"
 
 

@@ -439,3 +439,19 @@ def test_keep_checkpoints_deletes_all_but_the_newest(tmp_path: Path) -> None:
     assert sorted(p.name for p in deleted) == ["step-00000002", "step-00000004", "step-00000005"]
     assert sorted(p.name for p in files.checkpoints.iterdir()) == ["step-00000006", "step-00000008", "step-00000009"]
     assert prune_checkpoints(files, keep=0) == []  # 0 keeps every complete checkpoint
+
+
+def test_overwrite_discards_a_run_of_an_earlier_version_with_its_retired_files(tmp_path: Path) -> None:
+    """A run made before 2026-12-07 with --init-from-target (removed) holds target_init.json: it is still a run
+    (not refused as a foreign folder), and --overwrite discards that file with the rest; the logs stay."""
+    from dflash.stage2_train.run_setup import claim_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("train_options.json", "target_init.json", "metrics.jsonl", "train.log"):
+        (run / name).write_text("{}")
+    with pytest.raises(UserError, match="already holds a training run"):
+        claim_run_dir(TrainOptions(cache=tmp_path, out=run), RunFiles(run))
+    lock = claim_run_dir(TrainOptions(cache=tmp_path, out=run, overwrite=True), RunFiles(run))
+    lock.release()
+    assert sorted(p.name for p in run.iterdir()) == ["train.lock", "train.log"]
