@@ -787,6 +787,17 @@ def resolve_decode(decode: str, device: torch.device) -> tuple[bool, bool]:
 # are traced into the compiled forward (no graph break on the llama and gemma3_text families).
 COMPILE_TARGET = False
 
+# The width of the static path's prefill chunks: a prompt's forward runs as ceil(L / PREFILL_CHUNK) forwards of this
+# fixed width (the last padded; what the padding writes lies past the cache's length and is never read), so every
+# prompt's prefill has the one shape the warm-up captured as a CUDA graph (its kernels eager, not compiled: no
+# compilation added) instead of an eager forward of a new length. Why (H100, 2026-12-07, `dflash eval
+# --compile-target`, 20 MT-Bench prompts; docs/benchmarks.md): the eager prefill's first token took 73 ms for
+# speculative decoding, the first method to meet each new prompt length, on every prompt but the first (whose length
+# the warm-up had met: 35 ms), against 26 ms for plain decoding of the same prompt right after it; with it as fast
+# as plain decoding's the speedup was 1.54x instead of 1.31x. Not measured on a GPU yet. Hybrid targets keep the
+# eager prefill (padding would advance their recurrent states).
+PREFILL_CHUNK = 64
+
 
 class TargetRunner:
     """Runs the target with its KV cache; captures the outputs of its decoder layers ``layer_ids`` through forward
@@ -796,10 +807,12 @@ class TargetRunner:
     every forward writes at its start position (set on the device before the forward), attention masks are built
     from the positions, rollback only moves the write position back, and forwards of a fixed width (the verify
     block, the one-token decode step) are replayed from CUDA graphs with ``graphs``, compiled first with
-    `COMPILE_TARGET`. Prefills run eagerly."""
+    `COMPILE_TARGET`. Prefills run in chunks of ``prefill_chunk`` positions (`PREFILL_CHUNK` on the static path; 0:
+    one eager forward), each a fixed-width forward like the others (graphed, not compiled); a hybrid target's run
+    eagerly."""
 
     def __init__(self, target: nn.Module, layer_ids: Sequence[int] = (), capacity: int | None = None,
-                 graphs: bool = False) -> None:
+                 graphs: bool = False, prefill_chunk: int | None = None) -> None:
         self.target = target
         self.layer_ids = list(layer_ids)
         self.device = next(target.parameters()).device
@@ -838,6 +851,8 @@ class TargetRunner:
         # their graphs. Every width of every runner is one more entry of one code object, and past torch.compile's
         # recompile limit (8) fullgraph compilation fails.
         self.compile_widths: set[int] = {1}
+        self.prefill_chunk = 0 if capacity is None or self._recurrent else (
+            PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
 
     @contextmanager
     def hooked(self) -> Iterator[TargetRunner]:
@@ -973,6 +988,9 @@ class TargetRunner:
         width = int(ids.numel()) if isinstance(ids, Tensor) else len(ids)
         if start + width > self.capacity:
             raise RuntimeError(f"the static cache holds {self.capacity} positions; {start + width} needed")
+        chunk = self.prefill_chunk
+        if last_only and width > 1 and chunk and start + -(-width // chunk) * chunk <= self.capacity:
+            return self._chunked_prefill(ids, start)
         if self._recurrent and not self._states:
             self._allocate_states()
         buffer = self._inputs.get(width)
@@ -1002,6 +1020,24 @@ class TargetRunner:
         logits, features = forward()
         self.length = start + width
         return logits, features
+
+    def _chunked_prefill(self, ids: Sequence[int] | Tensor, start: int) -> tuple[Tensor, Tensor | None]:
+        """`_static_forward` of a prefill (logits of its last position only) as forwards of `prefill_chunk` positions,
+        the last padded with token 0: the padding's keys and values lie past the cache's length, where attention
+        reads nothing and the next forwards write; its logits and features are dropped."""
+        chunk, width = self.prefill_chunk, int(ids.numel()) if isinstance(ids, Tensor) else len(ids)
+        flat = ids.reshape(-1).cpu() if isinstance(ids, Tensor) else torch.tensor(list(ids), dtype=torch.long)
+        padded = torch.zeros(-(-width // chunk) * chunk, dtype=torch.long)
+        padded[:width] = flat
+        features: list[Tensor] = []
+        logits = torch.empty(0)
+        for offset in range(0, width, chunk):
+            logits, chunk_features = self._static_forward(padded[offset:offset + chunk], start + offset, False)
+            if chunk_features is not None:  # a copy: the next chunk's replay overwrites the graph's outputs
+                features.append(chunk_features[:, :min(chunk, width - offset)].clone())
+        self.length = start + width
+        last = (width - 1) % chunk
+        return logits[last:last + 1], (torch.cat(features, dim=1) if features else None)
 
     def _masks(self, positions: Tensor) -> Any:
         """The attention mask(s) of queries at ``positions`` [W] over the whole static cache: causal, and within the

@@ -92,6 +92,45 @@ def test_static_rollback_equals_a_fresh_forward_of_the_kept_prefix(targets: dict
     torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss", "deepseek_v3", *HYBRIDS])
+@pytest.mark.parametrize("length", [1, 7, 8, 21])
+def test_a_chunked_prefill_equals_a_fresh_forward_and_the_steps_after_it_too(targets: dict, family: str,
+                                                                            length: int) -> None:
+    """A prefill in chunks of 8 (the last padded, what the padding wrote left past the cache's length) gives the
+    logits of the prompt's last position and the features of its positions, and then one-token steps the logits, of
+    a cache-free forward of the same tokens; hybrid targets prefill in one forward (padding would advance their
+    recurrent states), and a prompt of one token is a one-token step."""
+    target = targets[family]
+    tokens = torch.randint(100, 5000, (length + 4,), generator=torch.Generator().manual_seed(length)).tolist()
+    runner = loop.TargetRunner(target, LAYER_IDS, capacity=64, prefill_chunk=8)
+    assert runner.prefill_chunk == (0 if family in HYBRIDS else 8)
+    chunks: list[int] = []
+    fixed = runner._fixed_step
+    runner._fixed_step = lambda ids: (chunks.append(int(ids.shape[1])), fixed(ids))[1]  # type: ignore[method-assign]
+    with torch.inference_mode(), runner.hooked():
+        logits, features = runner.forward(tokens[:length], 0, last_only=True)
+        steps = [runner.forward([token], position, last_only=True)[0]
+                 for position, token in enumerate(tokens[length:], start=length)]
+        fresh = target(input_ids=torch.tensor([tokens]), output_hidden_states=True)
+    assert runner.length == len(tokens)
+    prefill_chunks = [1] if length == 1 else [] if family in HYBRIDS else [8] * -(-length // 8)
+    assert chunks == prefill_chunks + [1] * 4
+    torch.testing.assert_close(logits, fresh.logits[0, length - 1:length].float(), rtol=1e-4, atol=1e-4)
+    expected = torch.cat([fresh.hidden_states[i + 1][:, :length] for i in LAYER_IDS], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat(steps), fresh.logits[0, length:].float(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_prefill_chunk_that_would_pass_the_cache_runs_in_one_forward(targets: dict) -> None:
+    runner = loop.TargetRunner(targets["llama"], LAYER_IDS, capacity=20, prefill_chunk=8)
+    chunks: list[int] = []
+    fixed = runner._fixed_step
+    runner._fixed_step = lambda ids: (chunks.append(int(ids.shape[1])), fixed(ids))[1]  # type: ignore[method-assign]
+    with torch.inference_mode(), runner.hooked():
+        runner.forward(list(range(100, 118)), 0, last_only=True)  # 18 positions: chunks of 8 would write 24
+    assert chunks == [] and runner.length == 18
+
+
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_static_path_tokens_equal_the_dynamic_path_and_plain_decoding(targets: dict, family: str,
