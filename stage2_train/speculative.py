@@ -152,11 +152,12 @@ def prompt_lookup_generate(
 def prewarm_prompt_lookup(target: nn.Module, capacity: int, decode: str = "auto",
                           num_tokens: int = PROMPT_LOOKUP_TOKENS) -> None:
     """Capture (and, under COMPILE_TARGET, compile) every forward width prompt lookup may use on the runner its
-    generations of ``capacity`` positions will use, so that none falls inside a timed generation: the one-token step
-    and the padded verify block (``num_tokens`` + 1), and on a hybrid target the widths its rollbacks feed again."""
+    generations of ``capacity`` positions will use, so that none falls inside a timed generation: the one-token step,
+    the padded verify block (``num_tokens`` + 1), the prefill's chunk (`modeling_dflash.PREFILL_CHUNK`), and on a
+    hybrid target the widths its rollbacks feed again."""
     runner = target_runner(target, (), capacity, decode, planned=capacity > 0)
     runner.compile_widths.add(num_tokens + 1)
-    runner.prewarm((1, num_tokens + 1))
+    runner.prewarm((1, num_tokens + 1, *([runner.prefill_chunk] if runner.prefill_chunk else [])))
     runner.prewarm_rollbacks(num_tokens + 1)
 
 

@@ -1,6 +1,6 @@
 """The target's fixed-width forwards compiled with torch.compile on the static decode path (`COMPILE_TARGET`, opt-in)
 against the eager ones, on CPU (float32, Inductor's C++ kernels): the verify block and the one-token step run
-compiled (fullgraph, the hooks that capture the drafter's layer features traced inside), prefills stay eager. On a
+compiled (fullgraph, the hooks that capture the drafter's layer features traced inside), prefills do not. On a
 GPU the compiled step is what the target's CUDA graph captures: `benchmarks/bench_eval_decode.py --compile-target`
 covers that. A compile takes ~5-10 s a width on 2 CPU cores, so the decoding tests are marked slow."""
 

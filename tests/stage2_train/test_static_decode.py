@@ -330,7 +330,7 @@ def test_captured_forwards_read_nothing_back(targets: dict, family: str, archite
     calls = {"target": 0, "drafter": 0}
 
     def guarded_step(self: loop.TargetRunner, ids: torch.Tensor, last_only: bool) -> object:
-        if last_only:  # the prefill: eager on every device
+        if last_only:  # a prefill in one forward (a hybrid target's: eager on every device); chunks come here
             return step(self, ids, last_only)
         calls["target"] += 1
         with no_host_reads():
@@ -417,9 +417,9 @@ def test_static_capacity_fits_what_is_needed_with_bounded_slack(needed: int) -> 
 
 @pytest.mark.gpu
 def test_prompt_lookups_verify_widths_are_captured_before_its_generations(tmp_path: Path) -> None:
-    """On a GPU: `prewarm_prompt_lookup` (dflash eval's warm-up) captures both forward widths prompt lookup uses
-    (the one-token step and its padded verify block), so its generations capture nothing inside their timing, and
-    give plain greedy decoding's tokens after it."""
+    """On a GPU: `prewarm_prompt_lookup` (dflash eval's warm-up) captures every forward width prompt lookup uses
+    (the one-token step, its padded verify block and the prefill's chunk), so its generations capture nothing inside
+    their timing, and give plain greedy decoding's tokens after it."""
     from transformers import AutoModelForCausalLM
 
     from dflash.shared.target_loading import resolve_target
@@ -429,7 +429,7 @@ def test_prompt_lookups_verify_widths_are_captured_before_its_generations(tmp_pa
     spec.prewarm_prompt_lookup(target, 256, "auto")
     (runner,) = target.__dict__["_dflash_static_runners"].values()
     captured = {key for key, forward in runner._forwards.items() if forward.graph is not None}
-    assert {(1, False), (spec.PROMPT_LOOKUP_TOKENS + 1, False)} <= captured
+    assert {(1, False), (spec.PROMPT_LOOKUP_TOKENS + 1, False), (loop.PREFILL_CHUNK, False)} <= captured
     prompt = list(range(300, 320)) * 3  # repeats: prompt lookup finds proposals of several lengths
     lookup = spec.prompt_lookup_generate(target, prompt, 40, [], capacity=256)
     assert set(runner._forwards) == captured and lookup.steps > 0
