@@ -64,6 +64,9 @@ CACHE_LOCK_FILE = "cache.lock"  # in locks/: see `CacheHold`
 LOG_FILE = "extract.log"
 EMBEDDINGS_FILE = "embeddings.safetensors"
 TARGET_RECORD_FILE = "dflash_target.json"  # in target/: stop token ids, embedding scale, model type
+# In target/ of caches made before 2026-12-07 with `dflash extract --export-layers` (removed with `dflash train
+# --init-from-target`: it trained worse, docs/benchmarks.md): nothing reads it, so a mirror does not fetch it.
+RETIRED_TARGET_FILES = ("decoder_layers.safetensors",)
 # Everything a cache directory may hold (anything else: the folder is not a cache; extract will not write there).
 CACHE_ENTRIES = (MANIFEST_FILE, MANIFEST_FILE + ".lock", LOG_FILE, TARGET_DIR, SHARDS_DIR, STATUS_DIR, LOCKS_DIR)
 

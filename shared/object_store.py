@@ -229,7 +229,7 @@ def mirror(url: str, root: Path | None = None, read_through: bool = False) -> Pa
     for batch in obstore.list(bucket, cf.TARGET_DIR + "/"):
         for meta in batch:
             local = root / meta["path"]
-            if local.is_file() and local.stat().st_size == meta["size"]:
+            if local.name in cf.RETIRED_TARGET_FILES or (local.is_file() and local.stat().st_size == meta["size"]):
                 continue
             local.parent.mkdir(parents=True, exist_ok=True)
             tmp = local.with_name(f".{local.name}.tmp-{os.getpid()}")

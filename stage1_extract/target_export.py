@@ -1,9 +1,9 @@
 """Write the cache's `target/` folder: exactly what stage 2 needs from the target, and nothing more.
 
 config.json, generation_config.json, the tokenizer files, dflash_target.json (stop ids, the embedding scale, the
-model type), and embeddings.safetensors with the input embedding
-(`embed_tokens.weight`) and the LM head (`lm_head.weight`). The tensors are read straight from the checkpoint's safetensors files, so neither this stage's supervisor nor stage 2
-ever loads the full target.
+model type), and embeddings.safetensors with the input embedding (`embed_tokens.weight`) and the LM head
+(`lm_head.weight`). The tensors are read straight from the checkpoint's safetensors files, so neither this stage's
+supervisor nor stage 2 ever loads the full target.
 """
 
 from __future__ import annotations

@@ -45,8 +45,9 @@ block of B tokens in one forward, plain decoding one token at a time).
 The fast path (``decode="static"``, the default on CUDA): the target runs over a static KV cache of full-length
 `StaticLayer`s (masks built from the positions, sliding windows included), so a rollback only moves the write
 position back; the drafter keeps its projected context in a preallocated buffer and runs a fixed-shape block
-forward over it (rows past the context masked); the verify block, the one-token step of plain decoding and the
-drafter block are captured once as CUDA graphs (`GraphedForward`) and replayed; the greedy acceptance runs on the
+forward over it (rows past the context masked); the verify block, the one-token step of plain decoding, the
+drafter block and the prompt's forward in chunks of one width (`PREFILL_CHUNK`) are captured once as CUDA graphs
+(`GraphedForward`) and replayed; the greedy acceptance runs on the
 device with one read-back per step. The linear-attention layers of hybrid targets (Qwen3-Next, Qwen3.5) keep their
 conv and recurrent states in transformers' fixed-size `LinearAttentionLayer`s: `verify` copies them aside, and a
 rollback inside the block copies them back and feeds the kept tokens again through a graphed forward of that width
@@ -778,7 +779,7 @@ def resolve_decode(decode: str, device: torch.device) -> tuple[bool, bool]:
 
 
 # Whether the static path compiles the target's fixed-width forwards (`TargetRunner._static_step` of the verify
-# block and of the one-token step; prefills stay eager) with torch.compile (fullgraph, static shapes, one compiled
+# block and of the one-token step; not the prefill's chunks) with torch.compile (fullgraph, static shapes, one compiled
 # function per width) before their CUDA graphs are captured, so the graphs replay Inductor's fused kernels instead
 # of the eager modules' (~1,350 kernels a SmolLM2-135M step on an H100, ~3.5 ms). Opt-in (False, `dflash eval
 # --compile-target`): 2.2x faster decoding on an H100, but a whole 20-prompt evaluation took 108 s with its ~58 s
@@ -787,16 +788,17 @@ def resolve_decode(decode: str, device: torch.device) -> tuple[bool, bool]:
 # are traced into the compiled forward (no graph break on the llama and gemma3_text families).
 COMPILE_TARGET = False
 
-# The width of the static path's prefill chunks: a prompt's forward runs as ceil(L / PREFILL_CHUNK) forwards of this
-# fixed width (the last padded; what the padding writes lies past the cache's length and is never read), so every
-# prompt's prefill has the one shape the warm-up captured as a CUDA graph (its kernels eager, not compiled: no
-# compilation added) instead of an eager forward of a new length. Why (H100, 2026-12-07, `dflash eval
-# --compile-target`, 20 MT-Bench prompts; docs/benchmarks.md): the eager prefill's first token took 73 ms for
-# speculative decoding, the first method to meet each new prompt length, on every prompt but the first (whose length
-# the warm-up had met: 35 ms), against 26 ms for plain decoding of the same prompt right after it; with it as fast
-# as plain decoding's the speedup was 1.54x instead of 1.31x. Not measured on a GPU yet. Hybrid targets keep the
-# eager prefill (padding would advance their recurrent states).
+# The width of the graphed static path's prefill chunks: a prompt of up to PREFILL_CHUNKED_UP_TO positions runs as
+# ceil(L / PREFILL_CHUNK) forwards of this fixed width (the last padded; what the padding writes lies past the cache's
+# length, where nothing reads before the next forwards write), so its prefill has the one shape the warm-up captured
+# as a CUDA graph (eager kernels in the graph: no compilation added) instead of an eager forward of a new length.
+# Why: on an H100 speculative decoding's first token, an eager prefill, took ~50 ms more than plain decoding's on
+# every prompt whose length the warm-up had not met (docs/benchmarks.md, "The first token, cold, and prompt
+# lookup's padded width"); not measured with the chunks on a GPU yet. Longer prompts keep one eager forward: in
+# chunks of 64 a large target would read its weights once a chunk. Hybrid targets too (padding would advance their
+# recurrent states), and a runner whose chunk could not be captured.
 PREFILL_CHUNK = 64
+PREFILL_CHUNKED_UP_TO = 4 * PREFILL_CHUNK
 
 
 class TargetRunner:
@@ -807,9 +809,9 @@ class TargetRunner:
     every forward writes at its start position (set on the device before the forward), attention masks are built
     from the positions, rollback only moves the write position back, and forwards of a fixed width (the verify
     block, the one-token decode step) are replayed from CUDA graphs with ``graphs``, compiled first with
-    `COMPILE_TARGET`. Prefills run in chunks of ``prefill_chunk`` positions (`PREFILL_CHUNK` on the static path; 0:
-    one eager forward), each a fixed-width forward like the others (graphed, not compiled); a hybrid target's run
-    eagerly."""
+    `COMPILE_TARGET`. With graphs, prefills of up to `PREFILL_CHUNKED_UP_TO` positions run in chunks of
+    ``prefill_chunk`` positions (`PREFILL_CHUNK`; 0: one eager forward; a test may set it without graphs), each a
+    fixed-width forward like the others (graphed, not compiled); a hybrid target's run eagerly."""
 
     def __init__(self, target: nn.Module, layer_ids: Sequence[int] = (), capacity: int | None = None,
                  graphs: bool = False, prefill_chunk: int | None = None) -> None:
@@ -852,7 +854,7 @@ class TargetRunner:
         # recompile limit (8) fullgraph compilation fails.
         self.compile_widths: set[int] = {1}
         self.prefill_chunk = 0 if capacity is None or self._recurrent else (
-            PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
+            (PREFILL_CHUNK if graphs else 0) if prefill_chunk is None else prefill_chunk)
 
     @contextmanager
     def hooked(self) -> Iterator[TargetRunner]:
@@ -989,7 +991,8 @@ class TargetRunner:
         if start + width > self.capacity:
             raise RuntimeError(f"the static cache holds {self.capacity} positions; {start + width} needed")
         chunk = self.prefill_chunk
-        if last_only and width > 1 and chunk and start + -(-width // chunk) * chunk <= self.capacity:
+        if (last_only and 1 < width <= PREFILL_CHUNKED_UP_TO and chunk
+                and start + -(-width // chunk) * chunk <= self.capacity):
             return self._chunked_prefill(ids, start)
         if self._recurrent and not self._states:
             self._allocate_states()
@@ -1003,7 +1006,8 @@ class TargetRunner:
         else:
             buffer.copy_(torch.tensor([list(ids)], dtype=torch.long))
         self._start.fill_(start)
-        # One-token steps and verify blocks have fixed shapes (graphed); prefills are eager, logits of the last row.
+        # One-token steps, verify blocks and prefill chunks have fixed shapes (graphed); a prefill in one forward is
+        # eager, logits of its last row.
         last_row = last_only and width > 1
         graphed = self.graphs and not last_row
         forward = self._forwards.get((width, last_row))
@@ -1024,10 +1028,11 @@ class TargetRunner:
     def _chunked_prefill(self, ids: Sequence[int] | Tensor, start: int) -> tuple[Tensor, Tensor | None]:
         """`_static_forward` of a prefill (logits of its last position only) as forwards of `prefill_chunk` positions,
         the last padded with token 0: the padding's keys and values lie past the cache's length, where attention
-        reads nothing and the next forwards write; its logits and features are dropped."""
+        reads nothing and the next forwards write; its logits and features are dropped. A chunk whose graph could not
+        be captured (it ran eagerly) ends the chunking for later prefills."""
         chunk, width = self.prefill_chunk, int(ids.numel()) if isinstance(ids, Tensor) else len(ids)
-        flat = ids.reshape(-1).cpu() if isinstance(ids, Tensor) else torch.tensor(list(ids), dtype=torch.long)
-        padded = torch.zeros(-(-width // chunk) * chunk, dtype=torch.long)
+        flat = ids.reshape(-1) if isinstance(ids, Tensor) else torch.tensor(list(ids), dtype=torch.long)
+        padded = flat.new_zeros(-(-width // chunk) * chunk)  # on the ids' device: nothing read back
         padded[:width] = flat
         features: list[Tensor] = []
         logits = torch.empty(0)
@@ -1036,6 +1041,9 @@ class TargetRunner:
             if chunk_features is not None:  # a copy: the next chunk's replay overwrites the graph's outputs
                 features.append(chunk_features[:, :min(chunk, width - offset)].clone())
         self.length = start + width
+        forward = self._forwards.get((chunk, False))
+        if forward is not None and forward.failure:
+            self.prefill_chunk = 0
         last = (width - 1) % chunk
         return logits[last:last + 1], (torch.cat(features, dim=1) if features else None)
 

@@ -164,6 +164,11 @@ def test_a_target_file_made_after_the_first_publish_goes_up_with_the_next(s3_env
     mirror = osx.mirror(url, tmp_path / "mirror")
     assert (mirror / cf.TARGET_DIR / "generation_config.json").read_bytes() == b"{ }"
     assert (mirror / cf.TARGET_DIR / "config.json").read_text() == "{}"
+    # A cache made before 2026-12-07 with --export-layers (removed) holds decoder layers nothing reads: not fetched.
+    (staging / cf.TARGET_DIR / cf.RETIRED_TARGET_FILES[0]).write_bytes(b"layers")
+    osx.publish(staging, url, log=lambda _: None)
+    mirror = osx.mirror(url, tmp_path / "mirror2")
+    assert sorted(p.name for p in (mirror / cf.TARGET_DIR).iterdir()) == ["config.json", "generation_config.json"]
 
 
 def test_conditional_manifest_updates_lose_no_writer(s3_env: dict[str, str]) -> None:

@@ -121,14 +121,21 @@ def test_a_chunked_prefill_equals_a_fresh_forward_and_the_steps_after_it_too(tar
     torch.testing.assert_close(torch.cat(steps), fresh.logits[0, length:].float(), rtol=1e-4, atol=1e-4)
 
 
-def test_a_prefill_chunk_that_would_pass_the_cache_runs_in_one_forward(targets: dict) -> None:
-    runner = loop.TargetRunner(targets["llama"], LAYER_IDS, capacity=20, prefill_chunk=8)
-    chunks: list[int] = []
-    fixed = runner._fixed_step
-    runner._fixed_step = lambda ids: (chunks.append(int(ids.shape[1])), fixed(ids))[1]  # type: ignore[method-assign]
-    with torch.inference_mode(), runner.hooked():
-        runner.forward(list(range(100, 118)), 0, last_only=True)  # 18 positions: chunks of 8 would write 24
-    assert chunks == [] and runner.length == 18
+def test_a_prefill_whose_chunks_would_pass_the_cache_or_that_is_long_runs_in_one_forward(
+        targets: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks are for short prompts that fit: one whose padded chunks would pass the cache's end, and one longer than
+    PREFILL_CHUNKED_UP_TO (where a large target would read its weights once a chunk), run in one forward; the
+    default runner chunks only with CUDA graphs (without them a chunk saves nothing)."""
+    assert loop.TargetRunner(targets["llama"], LAYER_IDS, capacity=64).prefill_chunk == 0  # CPU: no graphs
+    monkeypatch.setattr(loop, "PREFILL_CHUNKED_UP_TO", 16)
+    for capacity, length in ((20, 18), (64, 17)):  # 18 positions in chunks of 8 would write 24; 17 > 16
+        runner = loop.TargetRunner(targets["llama"], LAYER_IDS, capacity=capacity, prefill_chunk=8)
+        chunks: list[int] = []
+        fixed = runner._fixed_step
+        runner._fixed_step = lambda ids: (chunks.append(int(ids.shape[1])), fixed(ids))[1]  # type: ignore[method-assign]
+        with torch.inference_mode(), runner.hooked():
+            runner.forward(list(range(100, 100 + length)), 0, last_only=True)
+        assert chunks == [] and runner.length == length
 
 
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
@@ -365,7 +372,8 @@ def test_cuda_graph_path_equals_the_dynamic_path(architecture: str, family: str,
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
     draft = drafter(target, architecture).cuda()
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    for prompt in (list(range(200, 230)), list(range(900, 911)), list(range(50, 90))):
+    # (the last prompt's prefill runs in three chunks of loop.PREFILL_CHUNK, the last padded)
+    for prompt in (list(range(200, 230)), list(range(900, 911)), list(range(50, 90)), list(range(1000, 1150))):
         graphed = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="auto")
         assert graphed.decode == "static+cuda-graphs, compiled drafter"  # COMPILE_DRAFTER's default with graphs
         eager = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="dynamic")
@@ -388,7 +396,8 @@ def test_hybrid_targets_decode_through_cuda_graphs_as_the_dynamic_path(tmp_path:
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
     draft = drafter(target, "dflash").cuda()
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    for prompt in (list(range(200, 230)), list(range(900, 911)), list(range(50, 90))):
+    # (the last prompt's prefill runs in three chunks of loop.PREFILL_CHUNK, the last padded)
+    for prompt in (list(range(200, 230)), list(range(900, 911)), list(range(50, 90)), list(range(1000, 1150))):
         graphed = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 24, [2], decode="auto")
         assert graphed.decode.startswith("static+cuda-graphs"), graphed.decode
         runner = target.__dict__["_dflash_static_runners"][(tuple(LAYER_IDS), True, "cuda:0", torch.float32,
