@@ -962,6 +962,12 @@ class TargetRunner:
         """A hybrid target on the static path: a rollback inside a block feeds the kept tokens again."""
         return self._recurrent
 
+    def prewarm_prefill(self) -> None:
+        """Capture now the prefill's chunk (nothing without one), so that no capture falls inside a timed generation
+        whatever the length of the first prompt it sees. The cache is empty afterwards."""
+        if self.prefill_chunk:
+            self.prewarm((self.prefill_chunk,))
+
     def prewarm_rollbacks(self, block_width: int) -> None:
         """On a hybrid target's graphed static path: capture now the forwards that `rollback` feeds again after a
         verify block of ``block_width`` (1 to block_width - 1 kept tokens), so that no capture falls inside a timed
@@ -1610,6 +1616,7 @@ def speculative_generate(
     accepted: list[int] = []
     with runner.hooked():
         runner.prewarm_rollbacks(draft.block_size)
+        runner.prewarm_prefill()
         synchronize(runner.device)
         started = time.perf_counter()
         logits, features = runner.forward(prompt, 0, last_only=True)

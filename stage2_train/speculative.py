@@ -49,6 +49,7 @@ def greedy_generate(
         return SpecResult(tokens=[])
     stops = {int(t) for t in stop_token_ids}
     runner = target_runner(target, (), max(len(prompt) + max_new_tokens, capacity), decode, planned=capacity > 0)
+    runner.prewarm_prefill()
     synchronize(runner.device)
     started = time.perf_counter()
     logits, _ = runner.forward(prompt, 0, last_only=True)
@@ -114,6 +115,7 @@ def prompt_lookup_generate(
     padded_width = num_tokens + 1 if runner.capacity is not None else 0
     if padded_width:
         runner.compile_widths.add(padded_width)
+    runner.prewarm_prefill()
     synchronize(runner.device)
     started = time.perf_counter()
     logits, _ = runner.forward(prompt, 0, last_only=True)
@@ -157,7 +159,8 @@ def prewarm_prompt_lookup(target: nn.Module, capacity: int, decode: str = "auto"
     hybrid target the widths its rollbacks feed again."""
     runner = target_runner(target, (), capacity, decode, planned=capacity > 0)
     runner.compile_widths.add(num_tokens + 1)
-    runner.prewarm((1, num_tokens + 1, *([runner.prefill_chunk] if runner.prefill_chunk else [])))
+    runner.prewarm((1, num_tokens + 1))
+    runner.prewarm_prefill()
     runner.prewarm_rollbacks(num_tokens + 1)
 
 
