@@ -999,7 +999,7 @@ class TargetRunner:
         chunk = self.prefill_chunk
         if (last_only and 1 < width <= PREFILL_CHUNKED_UP_TO and chunk
                 and start + -(-width // chunk) * chunk <= self.capacity):
-            return self._chunked_prefill(ids, start)
+            return self._chunked_prefill(ids, start, width)
         if self._recurrent and not self._states:
             self._allocate_states()
         buffer = self._inputs.get(width)
@@ -1031,27 +1031,30 @@ class TargetRunner:
         self.length = start + width
         return logits, features
 
-    def _chunked_prefill(self, ids: Sequence[int] | Tensor, start: int) -> tuple[Tensor, Tensor | None]:
+    def _chunked_prefill(self, ids: Sequence[int] | Tensor, start: int, width: int) -> tuple[Tensor, Tensor | None]:
         """`_static_forward` of a prefill (logits of its last position only) as forwards of `prefill_chunk` positions,
         the last padded with token 0: the padding's keys and values lie past the cache's length, where attention
         reads nothing and the next forwards write; its logits and features are dropped. A chunk whose graph could not
         be captured (it ran eagerly) ends the chunking for later prefills."""
-        chunk, width = self.prefill_chunk, int(ids.numel()) if isinstance(ids, Tensor) else len(ids)
+        chunk = self.prefill_chunk
         flat = ids.reshape(-1) if isinstance(ids, Tensor) else torch.tensor(list(ids), dtype=torch.long)
         padded = flat.new_zeros(-(-width // chunk) * chunk)  # on the ids' device: nothing read back
         padded[:width] = flat
-        features: list[Tensor] = []
+        features: Tensor | None = None  # the prompt's rows, copied out chunk by chunk: the next replay overwrites them
         logits = torch.empty(0)
         for offset in range(0, width, chunk):
             logits, chunk_features = self._static_forward(padded[offset:offset + chunk], start + offset, False)
-            if chunk_features is not None:  # a copy: the next chunk's replay overwrites the graph's outputs
-                features.append(chunk_features[:, :min(chunk, width - offset)].clone())
+            if chunk_features is not None:
+                if features is None:
+                    features = chunk_features.new_empty((chunk_features.shape[0], width, chunk_features.shape[2]))
+                rows = min(chunk, width - offset)
+                features[:, offset:offset + rows] = chunk_features[:, :rows]
         self.length = start + width
         forward = self._forwards.get((chunk, False))
         if forward is not None and forward.failure:
             self.prefill_chunk = 0
         last = (width - 1) % chunk
-        return logits[last:last + 1], (torch.cat(features, dim=1) if features else None)
+        return logits[last:last + 1], features
 
     def _masks(self, positions: Tensor) -> Any:
         """The attention mask(s) of queries at ``positions`` [W] over the whole static cache: causal, and within the
