@@ -408,9 +408,14 @@ def _after_first_token(results: Sequence[SpecResult]) -> tuple[list[int], list[f
     return [max(len(r.tokens) - 1, 0) for r in results], [r.decode_seconds for r in results]
 
 
+def _first_token_seconds(result: SpecResult) -> float:
+    """A generation's time to its first token (nan where the method did not run: no token)."""
+    return result.first_token_seconds if result.tokens else math.nan
+
+
 def _mean_first_token_seconds(results: Sequence[SpecResult]) -> float:
     """The mean time to the first token over the prompts a method decoded (nan where it decoded none)."""
-    firsts = [r.first_token_seconds for r in results if r.tokens]
+    firsts = [seconds for seconds in map(_first_token_seconds, results) if not math.isnan(seconds)]
     return sum(firsts) / len(firsts) if firsts else math.nan
 
 
@@ -806,7 +811,7 @@ def run_eval(
                                       "seconds": {"dflash": spec.seconds, "plain": plain.seconds,
                                                   "prompt_lookup": lookup_result.seconds},
                                       "first_token_seconds": {  # null for a method that did not run
-                                          method: result.first_token_seconds if result.tokens else math.nan
+                                          method: _first_token_seconds(result)
                                           for method, result in (("dflash", spec), ("plain", plain),
                                                                  ("prompt_lookup", lookup_result))}}
             if greedy and baselines:
