@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from dflash.shared import embedded
 from dflash.shared.errors import UserError
@@ -310,14 +310,9 @@ def load_target_model(load_path: str, device: str, dtype: Any = None) -> Any:
     return model.to(device).eval().requires_grad_(False)
 
 
-class TargetTraits(NamedTuple):
-    """What `inspect_target` reads off the target's modules."""
-
-    embed_scale: float  # the factor its input embedding multiplies the rows by (Gemma: sqrt(hidden); else 1.0)
-
-
-def inspect_target(load_path: str) -> TargetTraits:
-    """Refuse a target dflash cannot draft for, with the reason, before any work; else return its traits.
+def inspect_target(load_path: str) -> float:
+    """Refuse a target dflash cannot draft for, with the reason, before any work; else return its embedding scale
+    (the factor its input embedding multiplies the rows by: Gemma sqrt(hidden), else 1.0).
 
     Builds the model transformers makes for the config on the meta device (no weights loaded): the model type needs
     a causal LM class (`AutoModelForCausalLM`), its decoder layers must be found (`decoder_layers`); the embedding
@@ -347,7 +342,7 @@ def inspect_target(load_path: str) -> TargetTraits:
     if len(layers) != expected:
         raise ModelLoadError(f"{load_path}: `get_decoder().layers` of {type(model).__name__} holds {len(layers)} "
                              f"layers, the config says {expected}; dflash cannot tell which layer is which")
-    return TargetTraits(embedding_scale(model))
+    return embedding_scale(model)
 
 
 def stop_token_ids(load_path: str, tokenizer: Any) -> list[int]:

@@ -170,7 +170,7 @@ class Supervisor:
         folder = local_model_files(target.load_path)
         import json
 
-        traits = inspect_target(target.load_path)  # refuses a target dflash cannot work with, before any work
+        embed_scale = inspect_target(target.load_path)  # refuses a target dflash cannot work with, before any work
         config = json.loads((folder / "config.json").read_text())
         config = config.get("text_config", config)
         num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
@@ -212,7 +212,7 @@ class Supervisor:
         manifest = self._open_manifest(identity, data, target, num_layers, existing, rendering)
         if not (self.cache_dir / cf.TARGET_DIR / cf.EMBEDDINGS_FILE).is_file():
             export_target_files(folder, tokenizer, self.cache_dir / cf.TARGET_DIR, stops,
-                                embed_scale=traits.embed_scale)
+                                embed_scale=embed_scale)
         return manifest, data, target, stops
 
     def _existing_manifest(self) -> dict[str, Any] | None:
