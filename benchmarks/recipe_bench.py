@@ -62,7 +62,8 @@ start to the next step's: the loop reads each step's figures one step late, so t
 the device runs this one, and the step times add up to the loop's; evaluations and checkpoints excluded) and
 `block_tokens` of each step after the first
 `--untimed-steps` (default 50), which hold the compilation and warm-up and are reported apart (untimed_s);
-s/step (mean and median: a mean well above the median means compilation or stalls inside the timed steps), block
+s/step (mean and median: a mean well above the median means compilation or stalls inside the timed steps), the
+mean wait for the loader's batch a step (`loader_wait_s`, a part of step_s: workers that do not keep up), block
 tokens/s, and the peak memory the trainer measured (CUDA memory allocated by torch, or the CPU resident set, over
 the whole process, evaluations included). Every variant shares one compile cache (TORCHINDUCTOR_CACHE_DIR and
 TRITON_CACHE_DIR under BENCH/compile_cache, unless set), so a kernel compiled once is reused by later variants;
@@ -323,6 +324,9 @@ def step_cost(steps: list[dict[str, Any]], untimed_steps: int) -> dict[str, Any]
         "timed_steps": len(timed),
         "s_per_step": seconds / len(timed),
         "s_per_step_median": statistics.median(r["step_s"] for r in timed),
+        # The mean of each step's wait for the loader's batch (part of step_s); None for runs that predate it.
+        "loader_wait_s_per_step": statistics.fmean(r["loader_wait_s"] for r in timed)
+        if all("loader_wait_s" in r for r in timed) else None,
         "block_tokens_per_step": tokens / len(timed),
         "block_tokens_per_s": tokens / seconds if seconds else None,
         "peak_memory_gib": max((r["memory_peak_gib"] for r in steps if "memory_peak_gib" in r), default=None),
@@ -723,9 +727,9 @@ def render_markdown(bench: dict[str, Any]) -> str:
         "| variant | flags | best validation tau (step) | test tau | test / baseline | "
         + "".join(f"live {d} tau | " for d in datasets)
         + "".join(f"live {d} - baseline's, paired by prompt | " for d in datasets)
-        + "steps | train s | train s / baseline's | s/step (median) | block tok/s | untimed s | peak GiB | final loss "
-        "| schedule |",
-        "|---|---|---:|---:|---:|" + "---:|" * 2 * len(datasets) + "---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        + "steps | train s | train s / baseline's | s/step (median) | loader wait s/step | block tok/s | untimed s "
+        "| peak GiB | final loss | schedule |",
+        "|---|---|---:|---:|---:|" + "---:|" * 2 * len(datasets) + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         variant = r.get("variant", r["name"])
@@ -734,7 +738,7 @@ def render_markdown(bench: dict[str, Any]) -> str:
         flags = f"`{shlex.join(r['flags'])}`" if r["flags"] else "-"
         if not r.get("complete"):
             error = str(r.get("error", "failed")).replace("|", "/")
-            lines.append(f"| {name} | {flags} | {error} |" + " |" * (11 + 2 * len(datasets)))
+            lines.append(f"| {name} | {flags} | {error} |" + " |" * (12 + 2 * len(datasets)))
             continue
         best, test, cost, live = r["best_validation"], r["test"], r["cost"], r.get("live") or {}
         baseline = baselines.get(r.get("seed")) or {}
@@ -753,6 +757,7 @@ def render_markdown(bench: dict[str, Any]) -> str:
             "-" if seconds is None else f"{seconds:,.1f}",
             f"{seconds / base_seconds:.3f}x" if seconds is not None and base_seconds else "-",
             f"{cost['s_per_step']:.4f} ({cost['s_per_step_median']:.4f})",
+            "-" if cost.get("loader_wait_s_per_step") is None else f"{cost['loader_wait_s_per_step']:.4f}",
             f"{cost['block_tokens_per_s']:,.0f}" if cost["block_tokens_per_s"] else "-",
             f"{cost['untimed_s']:.1f}",
             "-" if cost["peak_memory_gib"] is None else f"{cost['peak_memory_gib']:.2f}",

@@ -74,7 +74,11 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
     try:
         while run.state.step < run.total_steps:
             step_started = time.time()
-            record = train_step(run, next(steps), feature_transform)  # queued on the device, not waited for
+            loader_batches = next(steps)
+            # The host's wait for the loader's next batch: a step whose workers do not keep up shows it here.
+            loader_wait_s = time.time() - step_started
+            record = train_step(run, loader_batches, feature_transform)  # queued on the device, not waited for
+            record["loader_wait_s"] = round(loader_wait_s, 4)
             run.state.position += options.grad_accum
             step_log.queue(record, step_started)  # writes the step before this one (check_loss: one step late)
             evaluate_now = options.eval_every and run.state.step % options.eval_every == 0

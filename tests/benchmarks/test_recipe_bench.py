@@ -94,6 +94,9 @@ def test_variants_train_at_the_same_steps_and_schedule_and_report_from_their_run
         cost = result["cost"]
         assert cost["timed_steps"] == len(timed) and cost["untimed_s"] == pytest.approx(steps[1]["step_s"], abs=1e-3)
         assert cost["s_per_step"] == pytest.approx(statistics.fmean(r["step_s"] for r in timed))
+        # The loader's wait, a part of each step's time, averaged over the same steps.
+        assert all(0 <= r["loader_wait_s"] <= r["step_s"] + 1e-3 for r in steps.values())
+        assert cost["loader_wait_s_per_step"] == pytest.approx(statistics.fmean(r["loader_wait_s"] for r in timed))
         assert cost["block_tokens_per_s"] == pytest.approx(sum(r["block_tokens"] for r in timed)
                                                            / sum(r["step_s"] for r in timed))
         assert cost["peak_memory_gib"] == max(r["memory_peak_gib"] for r in steps.values() if "memory_peak_gib" in r)

@@ -16,7 +16,7 @@ from dflash.stage2_train import trainer
 from dflash.stage2_train.options import TrainOptions
 
 # The figures of a record that measure time or memory, not the training.
-MEASURED = {"step_s", "elapsed_s", "block_tokens_per_s", "memory_peak_gib"}
+MEASURED = {"step_s", "loader_wait_s", "elapsed_s", "block_tokens_per_s", "memory_peak_gib"}
 # What makes the host wait for a tensor's value (on CUDA, a device synchronisation).
 CONVERSIONS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
 
