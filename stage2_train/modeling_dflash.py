@@ -54,7 +54,8 @@ rollback inside the block copies them back and feeds the kept tokens again throu
 (captured before the timing by `prewarm_rollbacks`); other stateful layers keep the dynamic path
 (`static_unsupported`). Where
 graphs are captured, the drafter's block forward is compiled by torch.compile first (`COMPILE_DRAFTER`); the
-target's fixed-width forwards are compiled too only where `COMPILE_TARGET` asks for it (opt-in, not yet measured).
+target's fixed-width forwards are compiled too only where `COMPILE_TARGET` asks for it (opt-in: `dflash eval
+--compile-target`, 2.2x plain decoding's tokens/s on an H100, docs/benchmarks.md).
 
 Cache cropping: transformers >= 5.15 `Cache.crop(n)` takes the number of tokens to remove as a negative integer and
 rejects a positive n (older versions read a positive n as the length to keep). `crop_cache(cache, keep)` therefore

@@ -152,7 +152,7 @@ def test_two_processes_give_the_same_update_as_one_with_accumulation(train_cache
         runs[name] = tmp_path / name
         result = run_dflash("train", "--cache", str(train_cache), "--out", str(runs[name]), "--max-steps", "2",
                             "--eval-every", "0", "--checkpoint-every", "0", "--num-workers", "0", *TRAIN_ARGS[:6],
-                            "--eval-fraction", "0.15", "--eval-sequences", "1", "--mixed-precision", "no", *args)
+                            "--batch-tokens", "8192", "--lr", "6e-4", "--eval-fraction", "0.15", "--eval-sequences", "1", "--mixed-precision", "no", *args)
         assert result.returncode == 0, result.stderr[-3000:]
     weights = [load_file(str(sorted((runs[n] / "checkpoints").glob("step-*"))[-1] / "model.safetensors"))
                for n in ("ddp2", "single")]
