@@ -125,8 +125,9 @@ from dflash.stage2_train.options import ARCHITECTURES, COMPILE_MIN_STEPS, SELECT
 @click.option("--mixed-precision", type=click.Choice(["auto", "bf16", "no"]), default=TrainOptions.mixed_precision,
               show_default=True,
               help="auto = bf16 on CUDA, float32 on CPU.")
-@click.option("--num-workers", type=click.IntRange(min=0), default=TrainOptions.num_workers, show_default=True,
-              help="DataLoader workers.")
+@click.option("--num-workers", type=click.IntRange(min=0), default=None,
+              help="DataLoader workers per process. Default: on CUDA 6 (fewer where the machine has fewer CPUs a "
+                   "process), elsewhere 2.")
 @click.option("--memory-limit", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
               help="Memory a training step may use, in GiB (default: what the device has free when the run starts). "
                    "Micro-batches that would not fit are split and accumulated (same result); a sequence that "

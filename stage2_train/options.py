@@ -79,7 +79,7 @@ class TrainOptions:
     compile: bool | None = None  # None: chosen by the device and the run's length (fast_path.py)
     fsdp: bool = False
     mixed_precision: str = "auto"
-    num_workers: int = 2
+    num_workers: int | None = None  # None: chosen by the device and its CPUs (fast_path.loader_workers)
     memory_limit: float | None = None  # GiB a micro-batch step may use in all (default: what the device has free)
     log_every: int = 10
     verbose: bool = False

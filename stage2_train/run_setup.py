@@ -28,7 +28,7 @@ from dflash.shared.run_files import BEST_RECORD_FILE, CONFIG_FILE, RunFiles
 from dflash.stage2_train.cache_index import CacheIndex
 from dflash.stage2_train.checkpoints import intact_checkpoint
 from dflash.stage2_train.draft_attention import training_drafter, use_training_attention
-from dflash.stage2_train.fast_path import describe, training_path
+from dflash.stage2_train.fast_path import describe, loader_workers, training_path
 from dflash.stage2_train.draft_config import DFLASH2_DEFAULTS, DFlashConfig, config_from_target
 from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch, rank_plan
 from dflash.stage2_train.modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
@@ -302,17 +302,28 @@ def compile_layers(model: DFlashDraftModel) -> None:
     log.info("compile: %d decoder layers compile on their first steps", len(model.layers))
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it, as under a scheduler's CPU set)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def choose_training_path(run: TrainingRun) -> None:
     """`--attention auto` and an unset `--compile` become the path fast_path.py picks for this device and run
-    length (written to the run's options.json as chosen); the drafter and the objective follow it."""
-    given_compile = run.options.compile
+    length, and an unset `--num-workers` its loader workers (written to the run's options.json as chosen); the
+    drafter and the objective follow it."""
+    given_compile, given_workers = run.options.compile, run.options.num_workers
     attention, compile_ = training_path(run.options.attention, run.options.compile, run.device.type, run.total_steps,
                                         int(run.config.hidden_size), run.options.fsdp, run.options.architecture)
-    run.options = options = replace(run.options, attention=attention, compile=compile_)
+    workers = loader_workers(run.options.num_workers, run.device.type, available_cpus(), run.world)
+    run.options = options = replace(run.options, attention=attention, compile=compile_, num_workers=workers)
     use_training_attention(run.model, options.attention)  # type: ignore[arg-type]
     run.objective = make_objective(options.loss, options.kl_weight, options.compile)
     if run.is_main:
         log.info(describe(options.attention, options.compile, given_compile is None, run.total_steps))
+        log.info("loader: %d worker(s) a process (%s)", workers, "as given" if given_workers is not None else
+                 f"chosen for {run.device.type}; --num-workers N to change")
 
 
 def claim_run_dir(options: TrainOptions, files: RunFiles) -> Any:

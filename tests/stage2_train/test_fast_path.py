@@ -16,10 +16,17 @@ from hypothesis import strategies as st
 from dflash.shared.run_files import RunFiles
 from dflash.stage2_train.draft_attention import FLEX_MIN_HIDDEN_SIZE, training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig
-from dflash.stage2_train.fast_path import COMPILE_MIN_STEPS, describe, training_path
+from dflash.stage2_train.fast_path import (
+    COMPILE_MIN_STEPS,
+    CUDA_LOADER_WORKERS,
+    OTHER_LOADER_WORKERS,
+    describe,
+    loader_workers,
+    training_path,
+)
 from dflash.stage2_train.objective import block_cross_entropy
 from dflash.stage2_train.options import TrainOptions
-from dflash.stage2_train.run_setup import choose_training_path
+from dflash.stage2_train.run_setup import available_cpus, choose_training_path
 from tests.conftest import run_dflash
 
 SMALL, LARGE = 576, FLEX_MIN_HIDDEN_SIZE  # SmolLM2's drafter width; the first width that takes flex at any length
@@ -85,7 +92,7 @@ def tiny_run(device: str, total_steps: int, **options: object) -> SimpleNamespac
                           dflash_config={"mask_token_id": 3, "target_layer_ids": [1, 2]})
     return SimpleNamespace(options=TrainOptions(cache=Path("."), **options), device=SimpleNamespace(type=device),
                            total_steps=total_steps, config=config, model=training_drafter(config, "auto"),
-                           objective=block_cross_entropy, is_main=False)
+                           objective=block_cross_entropy, is_main=False, world=1)
 
 
 def test_the_run_follows_the_chosen_path() -> None:
@@ -99,10 +106,36 @@ def test_the_run_follows_the_chosen_path() -> None:
     choose_training_path(run)  # type: ignore[arg-type]
     assert (run.options.attention, run.options.compile) == ("flex", False)
     assert run.objective is block_cross_entropy
+    assert run.options.num_workers == loader_workers(None, "cuda", available_cpus(), 1)  # chosen, recorded
     run = tiny_run("cpu", 10**6)
     choose_training_path(run)  # type: ignore[arg-type]
     assert (run.options.attention, run.options.compile) == ("sdpa", False)
     assert run.model.attention.implementation == "sdpa"
+    assert run.options.num_workers == OTHER_LOADER_WORKERS
+    run = tiny_run("cuda", COMPILE_MIN_STEPS, num_workers=0)
+    choose_training_path(run)  # type: ignore[arg-type]
+    assert run.options.num_workers == 0  # given: kept
+
+
+def test_loader_workers_on_cuda_are_the_default_where_the_cpus_allow() -> None:
+    assert CUDA_LOADER_WORKERS == 6 and OTHER_LOADER_WORKERS == 2
+    assert loader_workers(None, "cuda", 16, 1) == 6  # the lent H100 machine: 16 CPUs, one process
+    assert loader_workers(None, "cuda", 16, 8) == 1  # eight processes share them: one worker each
+    assert loader_workers(None, "cuda", 4, 1) == 3  # the training loop keeps a CPU of its own
+    assert loader_workers(None, "cpu", 64, 1) == 2
+
+
+@given(st.integers(1, 512), st.integers(1, 16), st.sampled_from(["cuda", "cpu", "mps"]), st.none() | st.integers(0, 32))
+def test_loader_workers_never_exceed_the_cpus_a_process_has(cpus: int, processes: int, device: str,
+                                                            given_workers: int | None) -> None:
+    workers = loader_workers(given_workers, device, cpus, processes)
+    if given_workers is not None:
+        assert workers == given_workers
+    elif device != "cuda":
+        assert workers == OTHER_LOADER_WORKERS
+    else:
+        assert 1 <= workers <= CUDA_LOADER_WORKERS
+        assert workers == min(CUDA_LOADER_WORKERS, max(1, cpus // processes - 1))
 
 
 @pytest.mark.parametrize("flags, expected", [((), ("sdpa", False)), (("--attention", "eager"), ("eager", False))])
@@ -117,6 +150,7 @@ def test_cli_records_the_chosen_path(train_cache: Path, tmp_path: Path, flags: t
     recorded = json.loads(RunFiles(out).options.read_text())
     assert (recorded["attention"], recorded["compile"]) == expected
     assert f"training path: --attention {expected[0]} (uncompiled" in result.stderr
+    assert recorded["num_workers"] == 0 and "loader: 0 worker(s) a process (as given)" in result.stderr
 
 
 @pytest.mark.parametrize("device_type,fused_setting,want", [("cuda", True, True), ("cuda", False, None),
