@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
+from dflash.shared.run_files import RunFiles
 from dflash.stage2_train.objective import LOSSES
 from dflash.stage2_train.options import ARCHITECTURES, COMPILE_MIN_STEPS, SELECTOR_MISSING, TrainOptions
 
@@ -157,9 +160,38 @@ def train_command(processes: int | None, compile_: bool | None, **kwargs: object
             flag = "--" + name.replace("_", "-")
             raise click.BadParameter(f"it sets DFlash 2's path selector; --architecture {kwargs['architecture']} has "
                                      f"none: add --architecture dflash2, or leave {flag} out", param_hint=flag)
+    if kwargs["resume"]:
+        context = click.get_current_context()
+        kept = recorded_recipe(Path(str(kwargs["out"])), lambda name: context.get_parameter_source(name) not in (
+            ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP))
+        changed = {name: value for name, value in kept.items() if value != kwargs[name]}
+        if changed:
+            flags = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in changed.items())
+            click.echo(f"--resume: the run's own {flags} (not given here; today's defaults differ)", err=True)
+        kwargs.update(kept)
     resume = rerun_command("--resume", drop_flags=("--overwrite",))
     with exit_on_interrupt("train", f"the last checkpoint is kept; continue with: {resume}"):
         _train(processes, compile_, kwargs)
+
+
+# What --resume takes from the run it continues (its train_options.json) where the command does not give it: the
+# run's length, schedule and step size. Defaults change between versions (on 2026-12-07 --epochs 1 -> 16, --lr
+# 6e-4 -> 1e-3, --batch-tokens 8192 -> 49152), and a run resumed with others would stretch its schedule or, for a
+# step size, be refused (its saved data position belongs to its own plan).
+RESUME_KEEPS = ("epochs", "max_steps", "lr", "warmup", "weight_decay", "clip", "batch_tokens", "grad_accum")
+
+
+def recorded_recipe(out: Path, given: Callable[[str], bool]) -> dict[str, object]:
+    """The RESUME_KEEPS options recorded by the run in `out` that `given` (an option's name -> whether the command
+    gave it) says the command leaves to their defaults; empty for a folder with no recorded run."""
+    record_file = RunFiles(out).options
+    if not record_file.is_file():
+        return {}
+    try:
+        record = json.loads(record_file.read_text())
+    except (OSError, ValueError):
+        return {}  # unreadable: the run's own checks say so when it resumes
+    return {name: record[name] for name in RESUME_KEEPS if name in record and not given(name)}
 
 
 def _train(processes: int | None, compile_: bool | None, kwargs: dict[str, object]) -> None:

@@ -46,23 +46,26 @@ def training_path(attention: str, compile: bool | None, device_type: str, total_
     return attention, compile
 
 
-# Loader workers a process when `--num-workers` is not given. On CUDA, 6: what every GPU bench trained with (the
-# SmolLM2 drafter's fast step, 0.043 s median on an H100), where one worker builds a 49,152-token micro-batch in
-# 0.11-0.14 s (`benchmarks/bench_loader.py` on 2 CPU cores, a page-cached fp8 SmolLM2 cache, 2026-12-07): 2 workers
-# would supply one only every ~0.05-0.07 s, 6 every ~0.02 s. At most the CPUs a process has less one (the training
-# loop's own). Elsewhere 2: on the 2-core machines the training itself uses the cores.
+# Loader workers a process when `--num-workers` is not given. On CUDA, 6: what every GPU bench trained with, not
+# shown to be enough. One worker builds a micro-batch of the 49,152-token budget (~20K context and ~26K block tokens)
+# in 0.11-0.14 s on 2 CPU cores (`benchmarks/bench_loader.py`, a page-cached fp8 SmolLM2 cache, 2026-12-07; the
+# shared-memory copy of a worker's batch not counted), so the old default of 2 could not feed the SmolLM2 drafter's
+# 0.043 s step; but the 9,000-step H100 run with 6 stalled every ~6 steps, as if a worker there took ~0.33 s a
+# batch (docs/benchmarks.md): `loader_wait_s` in metrics.jsonl says how long a run waits. At most the CPUs a process
+# has less one (the training loop's own), at least one. Elsewhere 2: on the 2-core machines the training itself uses
+# the cores.
 CUDA_LOADER_WORKERS = 6
 OTHER_LOADER_WORKERS = 2
 
 
-def loader_workers(num_workers: int | None, device_type: str, cpus: int, processes: int) -> int:
-    """The DataLoader workers of each of `processes` processes on `device_type` with `cpus` CPUs in all: what
-    `--num-workers` gave, else the default above."""
+def loader_workers(num_workers: int | None, device_type: str, cpus_per_process: int) -> int:
+    """The DataLoader workers of a process on `device_type` that has `cpus_per_process` CPUs: what `--num-workers`
+    gave, else the default above."""
     if num_workers is not None:
         return num_workers
     if device_type != "cuda":
         return OTHER_LOADER_WORKERS
-    return max(1, min(CUDA_LOADER_WORKERS, cpus // max(1, processes) - 1))
+    return max(1, min(CUDA_LOADER_WORKERS, cpus_per_process - 1))
 
 
 def describe(attention: str, compile: bool, chosen: bool, total_steps: int) -> str:

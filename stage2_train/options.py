@@ -16,10 +16,10 @@ DEFAULT_MAX_ANCHORS = 64
 DEFAULT_ANCHOR_DENSITY = 1.0
 # The length and the optimiser's recipe: what every recipe bench trained with (--lr 1e-3, 49,152 tokens a step), and
 # 16 epochs, measured on 15,340 regenerated conversations on an H100: 9,000 steps (~16.5 epochs) gave 1.30x the
-# whole-test-split tau of 3,000 (~5.5 epochs), still the best of the run at its end; on a quarter of that data the
-# drafter peaked at ~22 epochs (docs/benchmarks.md, "Nine thousand steps on the four-times data"). Much larger data
-# needs fewer passes (the reference recipe: 6 epochs of 800K samples). Before: 1 epoch, 6e-4 and 8,192 tokens,
-# never measured on a GPU.
+# whole-test-split tau of 3,000 (~5.5 epochs), the best of the run at its end (flat over its last 1,500 steps); on a
+# quarter of that data the drafter was flat over its last ~7 of ~22 epochs (docs/benchmarks.md, "Nine thousand steps
+# on the four-times data"). Much larger data needs fewer passes (the reference recipe: 6 epochs of 800K samples).
+# Before: 1 epoch, 6e-4 and 8,192 tokens, which no GPU run compared with these.
 DEFAULT_EPOCHS = 16
 DEFAULT_LR = 1e-3
 DEFAULT_BATCH_TOKENS = 49152

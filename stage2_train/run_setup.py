@@ -302,11 +302,21 @@ def compile_layers(model: DFlashDraftModel) -> None:
     log.info("compile: %d decoder layers compile on their first steps", len(model.layers))
 
 
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the OS tells it, as under a scheduler's CPU set)."""
+def cpus_per_process(local_processes: int) -> int:
+    """The CPUs of this process: those it is pinned to where a launcher gave it fewer than the machine has, else the
+    machine's CPUs shared by the training processes on it."""
     import os
 
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    machine = os.cpu_count() or 1
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    return mine if mine < machine else max(1, machine // max(1, local_processes))
+
+
+def local_processes(run: TrainingRun) -> int:
+    """The training processes on this machine (torchrun and accelerate launch say so; else all of them)."""
+    import os
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE", run.world))
 
 
 def choose_training_path(run: TrainingRun) -> None:
@@ -316,7 +326,7 @@ def choose_training_path(run: TrainingRun) -> None:
     given_compile, given_workers = run.options.compile, run.options.num_workers
     attention, compile_ = training_path(run.options.attention, run.options.compile, run.device.type, run.total_steps,
                                         int(run.config.hidden_size), run.options.fsdp, run.options.architecture)
-    workers = loader_workers(run.options.num_workers, run.device.type, available_cpus(), run.world)
+    workers = loader_workers(run.options.num_workers, run.device.type, cpus_per_process(local_processes(run)))
     run.options = options = replace(run.options, attention=attention, compile=compile_, num_workers=workers)
     use_training_attention(run.model, options.attention)  # type: ignore[arg-type]
     run.objective = make_objective(options.loss, options.kl_weight, options.compile)

@@ -9,7 +9,10 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -18,12 +21,16 @@ def test_loader_batches_are_timed_and_sized_as_the_runs_plan(baseline_cache: Pat
     out = tmp_path / "loader.json"
     flags = "--draft-layers 1 --max-anchors 8 --batch-tokens 256"
     result = subprocess.run([sys.executable, "benchmarks/bench_loader.py", "--cache", str(baseline_cache),
-                             "--train-flags", flags, "--batches", "5", "--step-s", "0.001", "--out", str(out)],
+                             "--train-flags", flags, "--batches", "5", "--repeats", "2", "--step-s", "0.001",
+                             "--out", str(out)],
                             cwd=REPO, text=True, capture_output=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     record = json.loads(out.read_text())
-    timed, summary = record["timed"], record["summary"]
+    assert len(record["timed"]) == len(record["repeats"]) == 2
+    summary = record["summary"]
+    assert summary["repeat_means_s"] == [r["mean_s"] for r in record["repeats"]]
+    timed = record["timed"][[r["mean_s"] for r in record["repeats"]].index(summary["mean_s"])]
     assert timed["batch_tokens"] == 256 and timed["micro_batches_in_epoch"] >= 5
     assert len(timed["seconds"]) == 5 and all(s > 0 for s in timed["seconds"])
     # Every micro-batch holds tokens under the budget and at least one block.
@@ -36,21 +43,22 @@ def test_loader_batches_are_timed_and_sized_as_the_runs_plan(baseline_cache: Pat
     assert f"-> {out}" in result.stdout
 
 
-def test_the_micro_batches_are_the_training_loaders(baseline_cache: Path, tmp_path: Path) -> None:
-    """The timed batches are those the trainer's loader yields (same plan, same packing), read in this process."""
-    from dataclasses import replace
-
+def test_each_timed_second_is_the_building_of_one_micro_batch(baseline_cache: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A micro-batch that takes a known time more to build shows it in its own timed second, and only there."""
     from benchmarks import bench_loader
-    from dflash.stage2_train.run_setup import setup_run
+    from dflash.stage2_train.packed_batches import CacheBatches
 
+    build = CacheBatches.batch
+    slow = {1: 0.3, 2: 0.0, 3: 0.15}  # by plan position: the second micro-batch 0.3 s more, the fourth 0.15 s
+
+    def slowed(self: CacheBatches, position: int) -> dict:
+        time.sleep(slow.get(position, 0.0))
+        return build(self, position)
+
+    monkeypatch.setattr(CacheBatches, "batch", slowed)
     flags = "--draft-layers 1 --max-anchors 8 --batch-tokens 256"
-    timed = bench_loader.time_batches(str(baseline_cache), flags, 3)
-    options = replace(bench_loader.real_options(str(baseline_cache), flags, tmp_path / "run"), num_workers=0)
-    run = setup_run(options)
-    try:
-        batches = [batch for batch, _ in zip(run.loader(0, 0), range(3))]
-    finally:
-        if run.lock is not None:
-            run.lock.release()
-    assert timed["tokens"] == [int(b["lengths"].sum()) for b in batches]
-    assert timed["block_tokens"] == [int(b["block_valid"].sum()) * 16 for b in batches]
+    seconds = bench_loader.time_batches(str(baseline_cache), flags, 5)["seconds"]
+    assert seconds[1] >= 0.3 and seconds[3] >= 0.15
+    assert seconds[1] - 0.3 < 0.25 and seconds[3] - 0.15 < 0.25  # the sleep, and not also a neighbour's
+    assert max(seconds[2], seconds[4]) < 0.25

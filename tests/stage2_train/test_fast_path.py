@@ -26,7 +26,7 @@ from dflash.stage2_train.fast_path import (
 )
 from dflash.stage2_train.objective import block_cross_entropy
 from dflash.stage2_train.options import TrainOptions
-from dflash.stage2_train.run_setup import available_cpus, choose_training_path
+from dflash.stage2_train.run_setup import choose_training_path, cpus_per_process
 from tests.conftest import run_dflash
 
 SMALL, LARGE = 576, FLEX_MIN_HIDDEN_SIZE  # SmolLM2's drafter width; the first width that takes flex at any length
@@ -106,7 +106,7 @@ def test_the_run_follows_the_chosen_path() -> None:
     choose_training_path(run)  # type: ignore[arg-type]
     assert (run.options.attention, run.options.compile) == ("flex", False)
     assert run.objective is block_cross_entropy
-    assert run.options.num_workers == loader_workers(None, "cuda", available_cpus(), 1)  # chosen, recorded
+    assert run.options.num_workers == loader_workers(None, "cuda", cpus_per_process(1))  # chosen, recorded
     run = tiny_run("cpu", 10**6)
     choose_training_path(run)  # type: ignore[arg-type]
     assert (run.options.attention, run.options.compile) == ("sdpa", False)
@@ -119,23 +119,35 @@ def test_the_run_follows_the_chosen_path() -> None:
 
 def test_loader_workers_on_cuda_are_the_default_where_the_cpus_allow() -> None:
     assert CUDA_LOADER_WORKERS == 6 and OTHER_LOADER_WORKERS == 2
-    assert loader_workers(None, "cuda", 16, 1) == 6  # the lent H100 machine: 16 CPUs, one process
-    assert loader_workers(None, "cuda", 16, 8) == 1  # eight processes share them: one worker each
-    assert loader_workers(None, "cuda", 4, 1) == 3  # the training loop keeps a CPU of its own
-    assert loader_workers(None, "cpu", 64, 1) == 2
+    assert loader_workers(None, "cuda", 16) == 6  # the lent H100 machine: 16 CPUs, one process
+    assert loader_workers(None, "cuda", 2) == 1  # eight processes on 16 CPUs: one worker each
+    assert loader_workers(None, "cuda", 4) == 3  # the training loop keeps a CPU of its own
+    assert loader_workers(None, "cuda", 1) == 1  # never none: the loop would build its batches itself
+    assert loader_workers(None, "cpu", 64) == 2 and loader_workers(0, "cuda", 64) == 0
 
 
-@given(st.integers(1, 512), st.integers(1, 16), st.sampled_from(["cuda", "cpu", "mps"]), st.none() | st.integers(0, 32))
-def test_loader_workers_never_exceed_the_cpus_a_process_has(cpus: int, processes: int, device: str,
-                                                            given_workers: int | None) -> None:
-    workers = loader_workers(given_workers, device, cpus, processes)
+@given(st.integers(1, 512), st.sampled_from(["cuda", "cpu", "mps"]), st.none() | st.integers(0, 32))
+def test_loader_workers_leave_the_process_a_cpu_of_its_own(cpus: int, device: str, given_workers: int | None) -> None:
+    workers = loader_workers(given_workers, device, cpus)
     if given_workers is not None:
         assert workers == given_workers
     elif device != "cuda":
         assert workers == OTHER_LOADER_WORKERS
     else:
-        assert 1 <= workers <= CUDA_LOADER_WORKERS
-        assert workers == min(CUDA_LOADER_WORKERS, max(1, cpus // processes - 1))
+        assert 1 <= workers <= CUDA_LOADER_WORKERS and (workers < cpus or cpus == 1)
+        assert workers == CUDA_LOADER_WORKERS or workers == max(1, cpus - 1)  # the default, or all the CPUs allow
+
+
+@pytest.mark.parametrize("machine, pinned, processes, want", [(16, 16, 1, 16), (16, 16, 8, 2), (128, 128, 8, 16),
+                                                               (128, 4, 8, 4), (4, 4, 8, 1)])
+def test_cpus_a_process_has(monkeypatch: pytest.MonkeyPatch, machine: int, pinned: int, processes: int,
+                            want: int) -> None:
+    """The machine's CPUs shared by the processes on it, or the CPUs a launcher pinned the process to."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: machine)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(pinned)), raising=False)
+    assert cpus_per_process(processes) == want
 
 
 @pytest.mark.parametrize("flags, expected", [((), ("sdpa", False)), (("--attention", "eager"), ("eager", False))])

@@ -23,6 +23,7 @@ from dflash.stage2_train.cache_index import CacheIndex
 from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch
 from dflash.stage2_train.eval_set import eval_sequences
 from dflash.stage2_train.options import DEFAULT_ANCHOR_DENSITY, TrainOptions
+from dflash.stage2_train.run_setup import cosine_with_warmup
 from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFlashConfig
 from dflash.stage2_train.export import load_draft
@@ -152,7 +153,8 @@ def test_two_processes_give_the_same_update_as_one_with_accumulation(train_cache
         runs[name] = tmp_path / name
         result = run_dflash("train", "--cache", str(train_cache), "--out", str(runs[name]), "--max-steps", "2",
                             "--eval-every", "0", "--checkpoint-every", "0", "--num-workers", "0", *TRAIN_ARGS[:6],
-                            "--batch-tokens", "8192", "--lr", "6e-4", "--eval-fraction", "0.15", "--eval-sequences", "1", "--mixed-precision", "no", *args)
+                            "--batch-tokens", "8192", "--lr", "6e-4",
+                            "--eval-fraction", "0.15", "--eval-sequences", "1", "--mixed-precision", "no", *args)
         assert result.returncode == 0, result.stderr[-3000:]
     weights = [load_file(str(sorted((runs[n] / "checkpoints").glob("step-*"))[-1] / "model.safetensors"))
                for n in ("ddp2", "single")]
@@ -161,6 +163,31 @@ def test_two_processes_give_the_same_update_as_one_with_accumulation(train_cache
     for key in weights[0]:
         torch.testing.assert_close(weights[0][key], weights[1][key], rtol=1e-4, atol=1e-5, msg=key)
     assert final_losses(runs["ddp2"]) == pytest.approx(final_losses(runs["single"]), rel=1e-5)
+
+
+def test_resume_keeps_the_runs_own_length_schedule_and_step_size(train_cache: Path, tmp_path: Path) -> None:
+    """`--resume` without the run's recipe flags goes on with those it recorded (defaults change between versions:
+    another step size would be refused, another length would stretch the schedule); a flag given is kept."""
+    i = TRAIN_ARGS.index("--batch-tokens")
+    other = (*TRAIN_ARGS[:i], *TRAIN_ARGS[i + 2:], "--eval-every", "0", "--checkpoint-every", "1")
+    recipe = ("--lr", "3e-3", "--warmup", "0.5", "--batch-tokens", "2304")
+    run = tmp_path / "run"
+    assert run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--max-steps", "2", *recipe,
+                      *other).returncode == 0
+    resumed = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--resume", *other)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "--resume: the run's own --max-steps 2, --lr 0.003, --warmup 0.5, --batch-tokens 2304 (not given" \
+        in resumed.stderr  # the recipe flags that differ from the defaults (--epochs, --clip ... do not)
+    recorded = json.loads(RunFiles(run).options.read_text())
+    assert (recorded["max_steps"], recorded["lr"], recorded["warmup"], recorded["batch_tokens"]) == (2, 3e-3, 0.5, 2304)
+    # --max-steps given: the run goes on to step 4 with its own lr, warm-up and step size, its schedule now over 4
+    # steps (the trainer's own schedule function gives the rate step 3 records: the one after its update).
+    longer = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--resume", "--max-steps", "4", *other)
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert "--resume: the run's own --lr 0.003, --warmup 0.5, --batch-tokens 2304 (not given" in longer.stderr
+    step3 = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if r.get("step") == 3 and "loss" in r]
+    assert step3 and step3[-1]["lr"] == pytest.approx(3e-3 * cosine_with_warmup(4, 0.5)(3))  # 1e-3 would not give it
 
 
 def test_killed_training_resumes_to_the_same_loss_curve(train_cache: Path, tmp_path: Path) -> None:

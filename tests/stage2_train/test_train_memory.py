@@ -36,6 +36,9 @@ def test_default_flags_train_and_report_the_memory_plan(train_cache: Path, tmp_p
     assert 0 < measured <= planned and 0 < in_use  # the plan errs on the high side
     config = json.loads((run / "export" / "config.json").read_text())
     assert config["num_hidden_layers"] == 5 and sorted(final_losses(run)) == [1]
+    # The loader's workers chosen for the CPU, said and recorded.
+    assert "loader: 2 worker(s) a process (chosen for cpu; --num-workers N to change)" in result.stderr
+    assert json.loads((run / "train_options.json").read_text())["num_workers"] == 2
 
 
 PLAN_ARGS = ("--max-steps", "3", "--eval-every", "0", "--checkpoint-every", "0", *TRAIN_ARGS)
