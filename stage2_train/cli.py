@@ -102,7 +102,9 @@ from dflash.stage2_train.options import ARCHITECTURES, COMPILE_MIN_STEPS, SELECT
 @click.option("--keep-checkpoints", type=click.IntRange(min=0), default=TrainOptions.keep_checkpoints,
               show_default=True,
               help="Keep the newest N checkpoints, delete older ones (0 = keep all).")
-@click.option("--resume", is_flag=True, help="Continue exactly from the latest checkpoint in --out.")
+@click.option("--resume", is_flag=True,
+              help="Continue exactly from the latest checkpoint in --out (the run's own length, schedule and step "
+                   "size where not given).")
 @click.option("--overwrite", is_flag=True,
               help="Discard the run already in --out (metrics, checkpoints, exports; logs are kept) and start afresh. "
                    "Without it or --resume an existing run is refused.")
