@@ -97,10 +97,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.batches < 2:
         parser.error("--batches must be at least 2 (the first, which opens the stores, is reported apart)")
-    cpus = os.cpu_count()  # before time_batches, which leaves torch one thread
-    repeats = [time_batches(args.cache, args.train_flags, args.batches) for _ in range(max(1, args.repeats))]
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    repeats = [time_batches(args.cache, args.train_flags, args.batches) for _ in range(args.repeats)]
     summaries = [summarize(timed, args.step_s) for timed in repeats]
-    # The repeat of the median mean stands for them all; each repeat's figures are kept.
+    # The repeat of the median mean stands for them all (of an even number, the upper of the middle two); each
+    # repeat's figures are kept.
     summary = {**sorted(summaries, key=lambda s: s["mean_s"])[len(summaries) // 2],
                "repeat_means_s": [s["mean_s"] for s in summaries]}
     record = {"cache": args.cache, "train_flags": args.train_flags, "summary": summary, "repeats": summaries,

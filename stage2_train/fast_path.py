@@ -48,7 +48,7 @@ def training_path(attention: str, compile: bool | None, device_type: str, total_
 
 # Loader workers a process when `--num-workers` is not given. On CUDA, 6: what every GPU bench trained with, not
 # shown to be enough. One worker builds a micro-batch of the 49,152-token budget (~20K context and ~26K block tokens)
-# in 0.11-0.14 s on 2 CPU cores (`benchmarks/bench_loader.py`, a page-cached fp8 SmolLM2 cache, 2026-12-07; the
+# in 0.11-0.15 s on 2 CPU cores (`benchmarks/bench_loader.py`, a page-cached fp8 SmolLM2 cache, 2026-12-07; the
 # shared-memory copy of a worker's batch not counted), so the old default of 2 could not feed the SmolLM2 drafter's
 # 0.043 s step; but the 9,000-step H100 run with 6 stalled every ~6 steps, as if a worker there took ~0.33 s a
 # batch (docs/benchmarks.md): `loader_wait_s` in metrics.jsonl says how long a run waits. At most the CPUs a process

@@ -303,13 +303,12 @@ def compile_layers(model: DFlashDraftModel) -> None:
 
 
 def cpus_per_process(local_processes: int) -> int:
-    """The CPUs of this process: those it is pinned to where a launcher gave it fewer than the machine has, else the
-    machine's CPUs shared by the training processes on it."""
+    """This process's share of the CPUs it may run on (its affinity: a container's or a job's CPU set), which the
+    training processes on the machine share (no launcher dflash knows of pins each to CPUs of its own)."""
     import os
 
-    machine = os.cpu_count() or 1
-    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
-    return mine if mine < machine else max(1, machine // max(1, local_processes))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, usable // max(1, local_processes))
 
 
 def local_processes(run: TrainingRun) -> int:

@@ -60,5 +60,5 @@ def test_each_timed_second_is_the_building_of_one_micro_batch(baseline_cache: Pa
     flags = "--draft-layers 1 --max-anchors 8 --batch-tokens 256"
     seconds = bench_loader.time_batches(str(baseline_cache), flags, 5)["seconds"]
     assert seconds[1] >= 0.3 and seconds[3] >= 0.15
-    assert seconds[1] - 0.3 < 0.25 and seconds[3] - 0.15 < 0.25  # the sleep, and not also a neighbour's
-    assert max(seconds[2], seconds[4]) < 0.25
+    # The neighbours carry no sleep (their own building: milliseconds for 256 tokens; a margin for a loaded machine).
+    assert max(seconds[2], seconds[4]) < 0.15

@@ -138,15 +138,16 @@ def test_loader_workers_leave_the_process_a_cpu_of_its_own(cpus: int, device: st
         assert workers == CUDA_LOADER_WORKERS or workers == max(1, cpus - 1)  # the default, or all the CPUs allow
 
 
-@pytest.mark.parametrize("machine, pinned, processes, want", [(16, 16, 1, 16), (16, 16, 8, 2), (128, 128, 8, 16),
-                                                               (128, 4, 8, 4), (4, 4, 8, 1)])
-def test_cpus_a_process_has(monkeypatch: pytest.MonkeyPatch, machine: int, pinned: int, processes: int,
+@pytest.mark.parametrize("machine, usable, processes, want", [(16, 16, 1, 16), (16, 16, 8, 2), (128, 128, 8, 16),
+                                                               (128, 16, 8, 2), (4, 4, 8, 1)])
+def test_cpus_a_process_has(monkeypatch: pytest.MonkeyPatch, machine: int, usable: int, processes: int,
                             want: int) -> None:
-    """The machine's CPUs shared by the processes on it, or the CPUs a launcher pinned the process to."""
+    """The CPUs the process may use (a container's or a job's CPU set, not the host's), shared by the processes on
+    the machine: 8 ranks in a 16-CPU set of a 128-core host get 2 each, not 16."""
     import os
 
     monkeypatch.setattr(os, "cpu_count", lambda: machine)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(pinned)), raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(usable)), raising=False)
     assert cpus_per_process(processes) == want
 
 

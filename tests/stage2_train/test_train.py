@@ -178,16 +178,29 @@ def test_resume_keeps_the_runs_own_length_schedule_and_step_size(train_cache: Pa
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "--resume: the run's own --max-steps 2, --lr 0.003, --warmup 0.5, --batch-tokens 2304 (not given" \
         in resumed.stderr  # the recipe flags that differ from the defaults (--epochs, --clip ... do not)
-    recorded = json.loads(RunFiles(run).options.read_text())
-    assert (recorded["max_steps"], recorded["lr"], recorded["warmup"], recorded["batch_tokens"]) == (2, 3e-3, 0.5, 2304)
-    # --max-steps given: the run goes on to step 4 with its own lr, warm-up and step size, its schedule now over 4
+    recipe_of = lambda options: tuple(options[k] for k in ("epochs", "max_steps", "lr", "warmup", "weight_decay",  # noqa: E731
+                                                           "clip", "batch_tokens", "grad_accum"))
+    assert recipe_of(json.loads(RunFiles(run).options.read_text())) == (16, 2, 3e-3, 0.5, 0.0, 1.0, 2304, 1)
+    # The run's rate lives in its optimizer state, which the resume restores: another --lr is refused, not ignored.
+    refused = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--resume", "--lr", "1e-3", *other)
+    assert refused.returncode == 2 and "trains at --lr 0.003, which its optimizer state holds" in refused.stderr
+    # --max-steps given: the run goes on to step 4 with its own warm-up and step size, its schedule now over 4
     # steps (the trainer's own schedule function gives the rate step 3 records: the one after its update).
     longer = run_dflash("train", "--cache", str(train_cache), "--out", str(run), "--resume", "--max-steps", "4", *other)
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert "--resume: the run's own --lr 0.003, --warmup 0.5, --batch-tokens 2304 (not given" in longer.stderr
     step3 = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
              if r.get("step") == 3 and "loss" in r]
-    assert step3 and step3[-1]["lr"] == pytest.approx(3e-3 * cosine_with_warmup(4, 0.5)(3))  # 1e-3 would not give it
+    assert step3 and step3[-1]["lr"] == pytest.approx(3e-3 * cosine_with_warmup(4, 0.5)(3))  # the 4-step schedule
+    assert recipe_of(json.loads(RunFiles(run).options.read_text())) == (16, 4, 3e-3, 0.5, 0.0, 1.0, 2304, 1)
+    # --epochs given: the run's --max-steps goes with it (the length is one choice), so its epochs count.
+    assert recorded_recipe_of(run, given={"epochs"})["max_steps"] is None
+
+
+def recorded_recipe_of(run: Path, given: set[str]) -> dict[str, object]:
+    from dflash.stage2_train.cli import recorded_recipe
+
+    return recorded_recipe(run, lambda name: name in given)
 
 
 def test_killed_training_resumes_to_the_same_loss_curve(train_cache: Path, tmp_path: Path) -> None:
