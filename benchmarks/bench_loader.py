@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -99,7 +98,9 @@ def main() -> None:
         parser.error("--batches must be at least 2 (the first, which opens the stores, is reported apart)")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from dflash.stage2_train.run_setup import cpus_per_process
+
+    cpus = cpus_per_process(1)  # the CPUs this process may use, as the trainer counts them
     repeats = [time_batches(args.cache, args.train_flags, args.batches) for _ in range(args.repeats)]
     summaries = [summarize(timed, args.step_s) for timed in repeats]
     # The repeat of the median mean stands for them all (of an even number, the upper of the middle two); each

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -165,8 +164,9 @@ def train_command(processes: int | None, compile_: bool | None, **kwargs: object
                                      f"none: add --architecture dflash2, or leave {flag} out", param_hint=flag)
     if kwargs["resume"] and not kwargs["overwrite"]:  # (--overwrite discards the run: the pair is refused later)
         context = click.get_current_context()
-        kept = recorded_recipe(Path(str(kwargs["out"])), lambda name: context.get_parameter_source(name) not in (
-            ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP))
+        kept = recorded_recipe(Path(str(kwargs["out"])), {
+            name: value for name, value in kwargs.items()
+            if context.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)})
         changed = {name: value for name, value in kept.items() if value != kwargs[name]}
         if changed and os.environ.get("RANK", "0") == "0":
             flags = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in changed.items())
@@ -189,10 +189,10 @@ RESUME_KEEPS = ("epochs", "max_steps", "lr", "warmup", "weight_decay", "clip", "
 RESUME_FIXED = ("lr", "weight_decay")
 
 
-def recorded_recipe(out: Path, given: Callable[[str], bool]) -> dict[str, object]:
-    """The RESUME_KEEPS options recorded by the run in `out` that `given` (an option's name -> whether the command
-    gave it) says the command leaves to their defaults; empty for a folder with no recorded run. The length is one
-    choice: --epochs or --max-steps given takes neither from the run (--epochs alone: no --max-steps)."""
+def recorded_recipe(out: Path, given: dict[str, object]) -> dict[str, object]:
+    """The RESUME_KEEPS options recorded by the run in `out` that the command leaves to their defaults (`given`: the
+    options it gave, with their values); empty for a folder with no recorded run. The length is one choice:
+    --epochs or --max-steps given takes neither from the run (--epochs alone: no --max-steps)."""
     record_file = RunFiles(out).options
     if not record_file.is_file():
         return {}
@@ -201,23 +201,18 @@ def recorded_recipe(out: Path, given: Callable[[str], bool]) -> dict[str, object
     except (OSError, ValueError):
         return {}  # unreadable: the run's own checks say so when it resumes
     for name in RESUME_FIXED:
-        if given(name) and name in record and given_value(name) != record[name]:
+        if name in given and name in record and given[name] != record[name]:
             flag = "--" + name.replace("_", "-")
             raise click.BadParameter(f"the run in {out} trains at {flag} {record[name]}, which its optimizer state "
                                      f"holds, so a resume cannot change it: leave {flag} out, or train into a new "
                                      "--out", param_hint=flag)
-    kept = {name: record[name] for name in RESUME_KEEPS if name in record and not given(name)}
-    if given("epochs") or given("max_steps"):
+    kept = {name: record[name] for name in RESUME_KEEPS if name in record and name not in given}
+    if "epochs" in given or "max_steps" in given:
         kept.pop("epochs", None)
         kept.pop("max_steps", None)
-        if not given("max_steps"):
+        if "max_steps" not in given:
             kept["max_steps"] = None
     return kept
-
-
-def given_value(name: str) -> object:
-    """The value the command line gave `name`."""
-    return click.get_current_context().params[name]
 
 
 def _train(processes: int | None, compile_: bool | None, kwargs: dict[str, object]) -> None:
