@@ -92,6 +92,19 @@ def test_static_rollback_equals_a_fresh_forward_of_the_kept_prefix(targets: dict
     torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-4)
 
 
+def fixed_step_widths(runner: loop.TargetRunner) -> list[int]:
+    """The widths of the runner's fixed-width forwards from now on (prefill chunks, one-token steps), in order."""
+    widths: list[int] = []
+    fixed = runner._fixed_step
+
+    def recorded(ids: torch.Tensor) -> object:
+        widths.append(int(ids.shape[1]))
+        return fixed(ids)
+
+    runner._fixed_step = recorded  # type: ignore[method-assign]
+    return widths
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss", "deepseek_v3", *HYBRIDS])
 @pytest.mark.parametrize("length", [1, 7, 8, 21])
 def test_a_chunked_prefill_equals_a_fresh_forward_and_the_steps_after_it_too(targets: dict, family: str,
@@ -104,9 +117,7 @@ def test_a_chunked_prefill_equals_a_fresh_forward_and_the_steps_after_it_too(tar
     tokens = torch.randint(100, 5000, (length + 4,), generator=torch.Generator().manual_seed(length)).tolist()
     runner = loop.TargetRunner(target, LAYER_IDS, capacity=64, prefill_chunk=8)
     assert runner.prefill_chunk == (0 if family in HYBRIDS else 8)
-    chunks: list[int] = []
-    fixed = runner._fixed_step
-    runner._fixed_step = lambda ids: (chunks.append(int(ids.shape[1])), fixed(ids))[1]  # type: ignore[method-assign]
+    chunks = fixed_step_widths(runner)
     with torch.inference_mode(), runner.hooked():
         logits, features = runner.forward(tokens[:length], 0, last_only=True)
         steps = [runner.forward([token], position, last_only=True)[0]
@@ -130,9 +141,7 @@ def test_a_prefill_whose_chunks_would_pass_the_cache_or_that_is_long_runs_in_one
     monkeypatch.setattr(loop, "PREFILL_CHUNKED_UP_TO", 16)
     for capacity, length in ((20, 18), (64, 17)):  # 18 positions in chunks of 8 would write 24; 17 > 16
         runner = loop.TargetRunner(targets["llama"], LAYER_IDS, capacity=capacity, prefill_chunk=8)
-        chunks: list[int] = []
-        fixed = runner._fixed_step
-        runner._fixed_step = lambda ids: (chunks.append(int(ids.shape[1])), fixed(ids))[1]  # type: ignore[method-assign]
+        chunks = fixed_step_widths(runner)
         with torch.inference_mode(), runner.hooked():
             runner.forward(list(range(100, 100 + length)), 0, last_only=True)
         assert chunks == [] and runner.length == length
