@@ -59,6 +59,10 @@ def _sharded_step(rank: int, world: int, port: int, out: str) -> None:
         state = sharded.state_dict()
     if rank == 0:
         torch.save(state, out)
+    # Every rank's gloo work has finished before either tears the group down: one CI run had rank 1 abort
+    # ("terminate called without an active exception") when it left while rank 0 was still saving.
+    del sharded, state
+    dist.barrier()
     dist.destroy_process_group()
 
 
