@@ -258,7 +258,15 @@ def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any], feature_dim:
 
 
 class ShardStore:
-    """One shard store opened read-only, with its array handles (opening an array re-reads its metadata)."""
+    """One shard store opened read-only, with its array handles (opening an array re-reads its metadata).
+
+    The per-token side arrays (`input_ids`, `loss_mask` and a scaled codec's `feature_scales`: 25 bytes a token for
+    fp8 over 5 layers, under 1 % of the features) are read whole, once, at their first use, and kept as numpy
+    arrays; the features and the top-k stay zarr arrays read sample by sample. Why: a zarr read costs ~0.3 ms
+    however small (zarr 3.1 on 2 CPU cores), and the cache's side arrays have chunks of up to 2^18-2^20 rows, so a
+    sample's read of them passed through a whole 1-5 MB chunk each time: on a one-shard cache of 13 M tokens
+    (the four-times data) ~10 MB of side arrays read and checksummed for every ~2 MB of a sample's features
+    (docs/benchmarks.md, "The loader's reads")."""
 
     def __init__(self, cache_dir: Path, shard: int, codec: FeatureCodec) -> None:
         self.shard = shard
@@ -267,9 +275,6 @@ class ShardStore:
             self.reader = reader
             self.offsets = reader.offsets
             self.features = reader.features
-            self.feature_scales = reader.feature_scales  # scaled codecs (fp8) only
-            self.input_ids = reader.group["input_ids"]
-            self.loss_mask = reader.group["loss_mask"]
             self.topk_ids, self.topk_logprobs = reader.topk_ids, reader.topk_logprobs  # a cache with top-k only
             self.topk_offsets = reader.topk_offsets
             self.group = reader.group
@@ -277,6 +282,22 @@ class ShardStore:
             raise shard_error(cache_dir, shard, f"cannot be opened ({error})") from error
         self._sample_index: np.ndarray | None = None
         self._sample_ids: np.ndarray | None = None
+
+    @cached_property
+    def input_ids(self) -> np.ndarray:
+        """The shard's token ids, int32 [tokens] (read at the first use)."""
+        return np.asarray(self.group["input_ids"][:])
+
+    @cached_property
+    def loss_mask(self) -> np.ndarray:
+        """The shard's loss mask, uint8 [tokens] (read at the first use)."""
+        return np.asarray(self.group["loss_mask"][:])
+
+    @cached_property
+    def feature_scales(self) -> np.ndarray | None:
+        """A scaled codec's feature scales, float32 [tokens, layers]; None for other codecs (read at the first use)."""
+        scales = self.reader.feature_scales
+        return None if scales is None else np.asarray(scales[:])
 
     def sample_meta(self, row: int) -> tuple[int, str]:
         """(sample_index, sample_id) of a row (both arrays read once per store)."""

@@ -137,7 +137,7 @@ class CacheBatches(IterableDataset):
         first = self._store(int(rows[0, 0]))
         dim = int(first.features.shape[1])
         shared = get_worker_info() is not None
-        columns = int(first.feature_scales.shape[1]) if self.codec.scaled else 0
+        columns = int(first.reader.feature_scales.shape[1]) if self.codec.scaled else 0
         stored_dtype = torch.from_numpy(np.zeros(0, self.codec.stored_dtype)).dtype
         features = _empty_tensor((width, dim), stored_dtype, shared)
         feature_bits = features.numpy()  # the same memory, as numpy for zarr to read into
@@ -153,9 +153,9 @@ class CacheBatches(IterableDataset):
             try:
                 _read_into(store.features, start, end, feature_bits[begin : begin + length])
                 if scales is not None:
-                    _read_into(store.feature_scales, start, end, scales.numpy()[begin : begin + length])
-                _read_into(store.input_ids, start, end, input_ids[begin : begin + length])
-                _read_into(store.loss_mask, start, end, loss_mask[begin : begin + length])
+                    scales.numpy()[begin : begin + length] = store.feature_scales[start:end]
+                input_ids[begin : begin + length] = store.input_ids[start:end]
+                loss_mask[begin : begin + length] = store.loss_mask[start:end]
                 if topk is not None:
                     _read_topk(store, row, loss_mask[begin : begin + length], topk[0][begin : begin + length],
                                topk[1][begin : begin + length])

@@ -62,3 +62,19 @@ def test_each_timed_second_is_the_building_of_one_micro_batch(baseline_cache: Pa
     assert seconds[1] >= 0.3 and seconds[3] >= 0.15
     # The neighbours carry no sleep (their own building: milliseconds for 256 tokens; a margin for a loaded machine).
     assert max(seconds[2], seconds[4]) < 0.15
+
+
+def test_side_arrays_bench_reads_a_shard_of_the_caches_layout_both_ways(tmp_path: Path) -> None:
+    """benchmarks/bench_side_arrays.py: a shard written with the cache's layout, the per-sample zarr reads and the
+    whole arrays' slices timed (the script fails where the two read different values) and the chunk sizes those
+    the cache format chose for that many tokens."""
+    out = tmp_path / "side.json"
+    result = subprocess.run([sys.executable, "benchmarks/bench_side_arrays.py", "--tokens", "300000", "--samples",
+                             "5", "--out", str(out)], cwd=REPO, text=True, capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    record = json.loads(out.read_text())
+    assert record["tokens"] == 300000 and record["samples"] == 5
+    assert record["zarr_reads_ms_per_sample"] > 0 and record["whole_arrays_slices_ms_per_sample"] > 0
+    assert record["whole_arrays_bytes"] == 300000 * (4 + 1 + 4 * 5)  # int32 ids, uint8 mask, 5 float32 scales
+    assert record["chunk_bytes"] == {"input_ids": 4 * 300000, "loss_mask": 300000,
+                                     "feature_scales": 4 * 5 * min(300000, 1 << 18)}
