@@ -19,11 +19,11 @@ it errs on the high side; the planned and measured peaks of every run are logged
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dflash.shared.cgroups import cgroup_free_bytes
 from dflash.shared.errors import UserError
 from dflash.stage2_train.attention_masks import MAX_PACKED_COPIES_RATIO
 from dflash.stage2_train.loss import SELECTOR_CHUNK_ROWS, chunk_rows
@@ -120,60 +120,6 @@ def device_limit_bytes(device: Any) -> int:
     if allowed is not None:
         available = min(available, allowed)
     return max(0, available - CPU_HEADROOM_BYTES)
-
-
-# The memory files of the two cgroup versions: (limit, usage, the memory.stat key of reclaimable file pages).
-_CGROUP_FILES = {2: ("memory.max", "memory.current", "inactive_file"),
-                 1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
-_NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as a huge page-aligned number, v2 as "max"
-
-
-def cgroup_free_bytes(proc_cgroup: Path = Path("/proc/self/cgroup"),
-                      mount: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """What the memory cgroup of this process still lets it allocate, the tightest of its own group and every
-    ancestor that has a limit: limit - usage, with the inactive file pages (page cache the kernel reclaims before
-    it kills anything) not counted as used. None where no limit is set or no cgroup is readable.
-
-    psutil reports the machine's RAM, not a container's or a job's cgroup limit, so this reads the cgroup files
-    (cgroup v2 "0::PATH" under the mount, or the v1 memory controller "N:memory:PATH" under MOUNT/memory)."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    groups: list[tuple[int, Path, str]] = []  # (cgroup version, the controller's mount, the group's path in it)
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            groups.append((2, mount, path.lstrip("/")))
-        elif "memory" in controllers.split(","):
-            groups.append((1, mount / "memory", path.lstrip("/")))
-    tightest: int | None = None
-    for version, root, relative in groups:
-        limit_file, usage_file, inactive_key = _CGROUP_FILES[version]
-        folder = root / relative
-        if not folder.is_dir():  # a cgroup namespace: the process's own group is the mount's root
-            folder = root
-        while True:
-            free = _group_free_bytes(folder, limit_file, usage_file, inactive_key)
-            if free is not None:
-                tightest = free if tightest is None else min(tightest, free)
-            if folder == root or root not in folder.parents:
-                break
-            folder = folder.parent
-    return tightest
-
-
-def _group_free_bytes(folder: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
-    try:
-        limit_text = (folder / limit_file).read_text().strip()
-        if limit_text == "max" or int(limit_text) >= _NO_LIMIT:
-            return None
-        usage = int((folder / usage_file).read_text())
-        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
-        inactive = int(stat.get(inactive_key, 0))
-    except (OSError, ValueError):
-        return None
-    return max(0, int(limit_text) - max(0, usage - inactive))
 
 
 @dataclass(frozen=True)

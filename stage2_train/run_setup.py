@@ -303,11 +303,17 @@ def compile_layers(model: DFlashDraftModel) -> None:
 
 
 def cpus_per_process(local_processes: int) -> int:
-    """This process's share of the CPUs it may run on (its affinity: a container's or a job's CPU set), which the
-    training processes on the machine share (no launcher dflash knows of pins each to CPUs of its own)."""
+    """This process's share of the CPUs it may run on (its affinity: a container's or a job's CPU set; fewer where
+    its cgroup's CPU quota grants fewer, as Kubernetes' CPU limits do), which the training processes on the machine
+    share (no launcher dflash knows of pins each to CPUs of its own)."""
     import os
 
+    from dflash.shared.cgroups import cgroup_cpu_limit
+
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cgroup_cpu_limit()
+    if quota is not None:
+        usable = min(usable, max(1, int(quota)))
     return max(1, usable // max(1, local_processes))
 
 

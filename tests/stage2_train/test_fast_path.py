@@ -138,16 +138,21 @@ def test_loader_workers_leave_the_process_a_cpu_of_its_own(cpus: int, device: st
         assert workers == CUDA_LOADER_WORKERS or workers == max(1, cpus - 1)  # the default, or all the CPUs allow
 
 
-@pytest.mark.parametrize("machine, usable, processes, want", [(16, 16, 1, 16), (16, 16, 8, 2), (128, 128, 8, 16),
-                                                               (128, 16, 8, 2), (4, 4, 8, 1)])
-def test_cpus_a_process_has(monkeypatch: pytest.MonkeyPatch, machine: int, usable: int, processes: int,
-                            want: int) -> None:
-    """The CPUs the process may use (a container's or a job's CPU set, not the host's), shared by the processes on
-    the machine: 8 ranks in a 16-CPU set of a 128-core host get 2 each, not 16."""
+@pytest.mark.parametrize("machine, usable, quota, processes, want", [
+    (16, 16, None, 1, 16), (16, 16, None, 8, 2), (128, 128, None, 8, 16), (128, 16, None, 8, 2), (4, 4, None, 8, 1),
+    (128, 128, 4.0, 1, 4), (128, 128, 2.5, 1, 2), (128, 128, 0.5, 1, 1), (128, 8, 32.0, 2, 4), (64, 64, 16.0, 8, 2)])
+def test_cpus_a_process_has(monkeypatch: pytest.MonkeyPatch, machine: int, usable: int, quota: float | None,
+                            processes: int, want: int) -> None:
+    """The CPUs the process may use (a container's or a job's CPU set, not the host's; fewer where its cgroup's CPU
+    quota grants fewer, as a Kubernetes CPU limit of 4 on a 128-core host does), shared by the processes on the
+    machine: 8 ranks in a 16-CPU set of a 128-core host get 2 each, not 16."""
     import os
+
+    from dflash.shared import cgroups
 
     monkeypatch.setattr(os, "cpu_count", lambda: machine)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(usable)), raising=False)
+    monkeypatch.setattr(cgroups, "cgroup_cpu_limit", lambda: quota)
     assert cpus_per_process(processes) == want
 
 

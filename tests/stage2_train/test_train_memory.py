@@ -276,7 +276,7 @@ def test_cgroup_memory_limit_is_planned_for_not_killed(train_cache: Path, uncons
 def test_cgroup_free_bytes_reads_the_tightest_group(tmp_path: Path) -> None:
     """cgroup v1 and v2 files: limit - (usage - inactive file pages), the tightest of the group and its ancestors;
     no limit ("max", or v1's huge number) is None; a group path the mount does not show falls back to its root."""
-    from dflash.stage2_train.memory_plan import cgroup_free_bytes
+    from dflash.shared.cgroups import cgroup_free_bytes
 
     def group(folder: Path, limit: str, usage: int, inactive: int, v2: bool) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -306,6 +306,34 @@ def test_cgroup_free_bytes_reads_the_tightest_group(tmp_path: Path) -> None:
     group(v1 / "memory", "4000", 1000, 0, v2=False)
     assert cgroup_free_bytes(proc, v1) == 3000
     assert cgroup_free_bytes(tmp_path / "missing", v1) is None
+
+
+def test_cgroup_cpu_limit_reads_the_tightest_quota(tmp_path: Path) -> None:
+    """cgroup v2's cpu.max ("QUOTA PERIOD", "max PERIOD") and v1's cfs quota and period (-1: none), the tightest of
+    the group and its ancestors; v1's cpu controller found mounted as "cpu,cpuacct" or as "cpu"."""
+    from dflash.shared.cgroups import cgroup_cpu_limit
+
+    proc = tmp_path / "cgroup"
+    v2 = tmp_path / "v2"
+    for folder, text in ((v2, "max 100000"), (v2 / "pod", "400000 100000"), (v2 / "pod" / "c", "max 100000")):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "cpu.max").write_text(text + "\n")
+    proc.write_text("0::/pod/c\n")
+    assert cgroup_cpu_limit(proc, v2) == 4.0
+    (v2 / "pod" / "c" / "cpu.max").write_text("250000 100000\n")  # 2.5 CPUs, tighter than the pod's 4
+    assert cgroup_cpu_limit(proc, v2) == 2.5
+    (v2 / "pod" / "c" / "cpu.max").write_text("max 100000\n")
+    (v2 / "pod" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(proc, v2) is None
+    for mounted in ("cpu,cpuacct", "cpu"):
+        v1 = tmp_path / f"v1-{mounted}"
+        for folder, quota in ((v1 / mounted, -1), (v1 / mounted / "job", 150000)):
+            folder.mkdir(parents=True)
+            (folder / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+            (folder / "cpu.cfs_period_us").write_text("100000\n")
+        proc.write_text("12:cpu,cpuacct:/job\n4:memory:/job\n0::/\n")
+        assert cgroup_cpu_limit(proc, v1) == 1.5
+    assert cgroup_cpu_limit(tmp_path / "missing", v2) is None
 
 
 def test_on_cuda_the_plan_counts_two_steps_of_stored_features_copied_aside(
