@@ -706,6 +706,7 @@ def resume(run: TrainingRun) -> None:
 def write_run_records(run: TrainingRun) -> None:
     """What the run was made from, beside its results: options, drafter config and the cache's manifest."""
     options = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(run.options).items()}
-    run.files.options.write_text(json.dumps({**options, "total_steps": run.total_steps}, indent=2))
-    run.files.draft_config.write_text(json.dumps(run.config.to_dict(), indent=2))
+    # atomic: `--resume` and `export --run` read them back, and a run killed while writing must not leave half a file
+    cf.write_json_atomic(run.files.options, {**options, "total_steps": run.total_steps})
+    cf.write_json_atomic(run.files.draft_config, run.config.to_dict())
     cf.write_json_atomic(run.files.cache_manifest, run.manifest)
