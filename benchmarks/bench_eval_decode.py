@@ -42,6 +42,10 @@ Three opt-in parts (issue 31: speedup >= 0.7 x tau):
     beside the other paths, which keep their meaning: ``compiled_target_over_static`` (tokens/s and time per step,
     plain and speculative), ``compiled_target_agrees_with_static`` (prompts with equal tokens, plain and
     speculative), and the compile time in ``warmup_seconds``.
+--eager-extend adds, in part a, the last of the paths above again with ``+eager-extend``: the verified block's
+    features projected into the drafter's context eagerly at `DraftRunner.extend`, as before 2026-12-07, instead of
+    inside the next block forward (`modeling_dflash.FUSED_EXTEND`): ``fused_over_eager_extend`` (speculative tokens/s
+    and time per step) and ``fused_agrees_with_eager_extend`` (prompts with equal tokens).
 --phases (part a, CUDA only; skipped on CPU): the fast path(s) decode the prompts again with CUDA events around the
     loop's calls (patched inside this benchmark only) and report per step after the prefill the GPU-timeline ms of
     draft / verify / accept (with its read-back) / extend, of the plain step's forward / pick, each step's total (the
@@ -84,6 +88,7 @@ from dflash.stage2_train.target_parts import scaled_embedding  # noqa: E402
 PATHS = ("dynamic", "static")  # "static" = the fast path (CUDA graphs on a GPU)
 COMPILED = "static+compiled-drafter"  # the fast path with the drafter's block forward compiled (--compile-drafter)
 BOTH_COMPILED = "static+compiled-target"  # the drafter's block and the target's fixed-width forwards compiled
+EAGER_EXTEND = "+eager-extend"  # a path's suffix: the verified block projected at `extend` (FUSED_EXTEND off)
 TAUS = (3.0, 4.0, 6.0)
 DRAFT_LAYERS = ExtractOptions.draft_layers  # `dflash extract`'s default: 5 captured layers, 5 drafter layers
 
@@ -108,13 +113,15 @@ def random_drafter(target: torch.nn.Module, mask_token_id: int, device: torch.de
 @contextmanager
 def compiled_parts(path: str) -> Iterator[None]:
     """`loop.COMPILE_DRAFTER` on for the COMPILED and BOTH_COMPILED paths, `loop.COMPILE_TARGET` on for BOTH_COMPILED,
-    both off for the others (restored after)."""
-    saved = loop.COMPILE_DRAFTER, loop.COMPILE_TARGET
-    loop.COMPILE_DRAFTER, loop.COMPILE_TARGET = path in (COMPILED, BOTH_COMPILED), path == BOTH_COMPILED
+    both off for the others; `loop.FUSED_EXTEND` off for a path ending in EAGER_EXTEND (all restored after)."""
+    saved = loop.COMPILE_DRAFTER, loop.COMPILE_TARGET, loop.FUSED_EXTEND
+    base = path.removesuffix(EAGER_EXTEND)
+    loop.COMPILE_DRAFTER, loop.COMPILE_TARGET = base in (COMPILED, BOTH_COMPILED), base == BOTH_COMPILED
+    loop.FUSED_EXTEND = not path.endswith(EAGER_EXTEND)
     try:
         yield
     finally:
-        loop.COMPILE_DRAFTER, loop.COMPILE_TARGET = saved
+        loop.COMPILE_DRAFTER, loop.COMPILE_TARGET, loop.FUSED_EXTEND = saved
 
 
 def decode_mode(path: str) -> str:
@@ -197,6 +204,13 @@ def decode_all(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompts: l
         out["compiled_target_over_static"] = over_static(BOTH_COMPILED, ("plain", "dflash"))
         out["compiled_target_agrees_with_static"] = {method: agreeing("static", BOTH_COMPILED, method)
                                                      for method in ("plain", "dflash")}
+    for path in paths:
+        if path.endswith(EAGER_EXTEND):  # the fused extension against the eager one, on the same path otherwise
+            fused = path.removesuffix(EAGER_EXTEND)
+            out["fused_over_eager_extend"] = {
+                f"dflash_{measure}": out[fused]["dflash"][measure] / out[path]["dflash"][measure]
+                for measure in ("tokens_per_second", "seconds_per_step")}
+            out["fused_agrees_with_eager_extend"] = agreeing(fused, path, "dflash")
     out["prompts"] = len(prompts)
     out["new_tokens"] = new_tokens
     return out
@@ -298,6 +312,8 @@ def bench_smollm2(args: argparse.Namespace, device: torch.device) -> dict[str, A
     prompts = [tokenize_prompt(tokenizer, p.messages) for p in load_prompts("mtbench", args.prompts)]
     capacity = max(map(len, prompts)) + args.new_tokens + draft.block_size
     paths = (*bench_paths(args), BOTH_COMPILED) if args.compile_target else bench_paths(args)
+    if args.eager_extend:  # the fastest path again with the eager extension
+        paths = (*paths, paths[-1] + EAGER_EXTEND)
     result = decode_all(target, draft, prompts, args.new_tokens, capacity, paths)
     if args.phases:
         fast = tuple(p for p in paths if p != "dynamic")
@@ -450,6 +466,9 @@ def main() -> None:
     parser.add_argument("--compile-target", action="store_true",
                         help=f"part a: also run the fast path with the drafter's block and the target's fixed-width "
                              f"forwards compiled ({BOTH_COMPILED}: modeling_dflash.COMPILE_TARGET, opt-in)")
+    parser.add_argument("--eager-extend", action="store_true",
+                        help="part a: also run the last path with the verified block projected eagerly at extend "
+                             "(modeling_dflash.FUSED_EXTEND off), beside the fused projection, in one run")
     parser.add_argument("--phases", action="store_true",
                         help="part a: GPU ms per step of draft / verify / accept / extend and of the plain step "
                              "(CUDA only)")

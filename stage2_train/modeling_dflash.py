@@ -1224,13 +1224,21 @@ class TargetRunner:
 # the same tokens; ~14 s of compilation once per drafter (docs/benchmarks.md, "Live evaluation speed").
 COMPILE_DRAFTER: bool | None = None
 
+# Whether the static path projects a verified block's target features into the drafter's context inside the next
+# block forward (graphed, and compiled with it) instead of eagerly at `DraftRunner.extend`: fc and norm were ~9 eager
+# launches a step on the host's side of the loop (the "extend" phase, 0.17 ms of a 2.47 ms speculative step on an
+# H100, 2026-12-06/07), now one copy. False: the eager extension, which benchmarks/bench_eval_decode.py
+# --unfused-extend compares in one run.
+FUSED_EXTEND = True
+
 
 class DraftRunner:
     """The drafter side of the loop: its context (projected once per new feature row) and one block proposal.
 
     With ``capacity`` (the static path) the projected context lives in a preallocated buffer of that many rows and
     the block forward has a fixed shape (attention over the whole buffer, rows past the context masked), so it is
-    replayed from a CUDA graph with ``graphs``; the greedy draft tokens are computed inside that forward."""
+    replayed from a CUDA graph with ``graphs``; the greedy draft tokens are computed inside that forward, and so is
+    the projection of the last verified block's features (`extend`), with `FUSED_EXTEND`."""
 
     def __init__(self, draft: DFlashDraftModel, embed_weight: Tensor, lm_head_weight: Tensor,
                  embed_scale: float = 1.0, capacity: int | None = None, graphs: bool = False) -> None:
@@ -1254,6 +1262,12 @@ class DraftRunner:
             self._bonus = torch.zeros((1, 1), dtype=torch.long, device=embed_weight.device)
             self._masks = torch.full((1, self.block_size - 1), self.mask_token_id, dtype=torch.long,
                                      device=embed_weight.device)
+            # A verified block's features wait here until the next block forward projects them into the context at
+            # row `_pending_at` (`extend`); between blocks that row points at the next block's own rows, masked.
+            self._pending = torch.zeros((1, self.block_size, draft.fc.in_features), dtype=self.dtype,
+                                        device=self.device)
+            self._pending_at = torch.zeros((), dtype=torch.long, device=self.device)
+            self._pending_row: int | None = None  # where the pending rows go, until a block forward wrote them
             pool = torch.cuda.graph_pool_handle() if graphs else None
             if graphs if COMPILE_DRAFTER is None else COMPILE_DRAFTER:
                 # compiled by its first call: GraphedForward's warm-up runs, before the capture records the compiled
@@ -1294,6 +1308,9 @@ class DraftRunner:
         """Empty the context for a new prompt (the static buffer stays)."""
         if self.capacity is None:
             self.context = None
+        else:
+            self._pending_row = None
+            self._pending_at.zero_()  # rows 0.. are masked until the first extension, which writes them
         self.length = 0
 
     def extend(self, features: Tensor, count: int | None = None) -> None:
@@ -1306,12 +1323,26 @@ class DraftRunner:
             rows = features.shape[1]
             if self.length + rows > self.capacity:
                 raise RuntimeError(f"the drafter context holds {self.capacity} rows; {self.length + rows} needed")
-            self.context[:, self.length:self.length + rows] = self.draft_model.project_context(
-                features.to(self.device, self.dtype))
+            self._write_pending()
+            if FUSED_EXTEND and rows == self.block_size:  # a verified block: the next block forward projects it
+                self._pending.copy_(features)
+                self._pending_at.fill_(self.length)
+                self._pending_row = self.length
+            else:
+                self.context[:, self.length:self.length + rows] = self.draft_model.project_context(
+                    features.to(self.device, self.dtype))
+                self._pending_at.fill_(self.length + count)  # the next block's own rows: masked in its forward
             self.length += count
             return
         projected = self.draft_model.project_context(features[:, :count].to(self.device, self.dtype))
         self.context = projected if self.context is None else torch.cat([self.context, projected], dim=1)
+
+    def _write_pending(self) -> None:
+        """Project the pending block into the context now (an extension that comes before the next block forward)."""
+        if self._pending_row is not None:
+            assert self.context is not None
+            row, self._pending_row = self._pending_row, None
+            self.context[:, row:row + self.block_size] = self.draft_model.project_context(self._pending)
 
     def _embed(self, ids: Tensor) -> Tensor:
         noise = F.embedding(ids, self.embed_weight)
@@ -1338,7 +1369,9 @@ class DraftRunner:
             raise RuntimeError(f"the drafter context holds {self.capacity} rows; {start + self.block_size} needed")
         self._bonus.fill_(bonus)
         self._start.fill_(start)
-        return self._block()
+        outputs = self._block()
+        self._pending_row = None  # the block forward wrote the pending rows
+        return outputs
 
     def _static_block(self) -> tuple[Tensor, Tensor]:
         """(hidden [1, B, H], greedy draft tokens [B - 1]) of the block at ``self._start`` over the whole context
@@ -1354,8 +1387,11 @@ class DraftRunner:
     def _eager_block(self) -> tuple[Tensor, Tensor]:
         """`_static_block`'s device work (eager; `_block_forward` is this function or its compiled form)."""
         assert self.context is not None and self.capacity is not None
-        noise = self._embed(torch.cat([self._bonus, self._masks], dim=1))
         offsets = torch.arange(self.block_size, device=self.device)
+        # The pending block's projection (`extend`): where nothing is pending, the rows of this block, which it masks
+        # and the next extension overwrites. The same values as an eager extension writes: fc and norm row by row.
+        self.context.index_copy_(1, self._pending_at + offsets, self.draft_model.project_context(self._pending))
+        noise = self._embed(torch.cat([self._bonus, self._masks], dim=1))
         q_pos = (self._start + offsets)[None]
         k_pos = torch.arange(self.capacity, device=self.device)[None]
         visible = torch.cat([k_pos < self._start, torch.ones_like(offsets, dtype=torch.bool)[None]], dim=1)

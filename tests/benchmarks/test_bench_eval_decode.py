@@ -43,3 +43,37 @@ def test_the_large_target_part_times_a_hybrids_feed_again_and_counts_it_in_the_s
         assert row["from_forwards"] == pytest.approx(row["tau"] * forwards["decode_step"] / step)
     for path in ("dynamic", "static"):  # speculative decoding stays lossless on both paths
         assert result["loops"][path]["speculative_equals_plain"] == 1
+
+
+def test_the_eager_extend_path_runs_the_loop_with_the_eager_extension_and_is_compared_to_the_fused_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--eager-extend`'s path: `decode_all` decodes it with `FUSED_EXTEND` off (and only it), its tokens are
+    compared with the fused path's, and the ratios are those of the two paths' own figures."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=500,
+                                  tie_word_embeddings=False)
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+    draft = bench_eval_decode.random_drafter(target, 499, torch.device("cpu"))
+    fused_during: dict[str, set[bool]] = {}
+    speculative = bench_eval_decode.loop.speculative_generate
+
+    def spy(*args: object, **kwargs: object) -> object:
+        fused_during.setdefault(str(kwargs["decode"]), set()).add(bench_eval_decode.loop.FUSED_EXTEND)
+        return speculative(*args, **kwargs)
+
+    monkeypatch.setattr(bench_eval_decode.loop, "speculative_generate", spy)
+    eager = "static" + bench_eval_decode.EAGER_EXTEND
+    prompts = [list(range(10, 30)), list(range(40, 52))]
+    out = bench_eval_decode.decode_all(target, draft, prompts, 24, 80, ("dynamic", "static", eager))
+    assert bench_eval_decode.loop.FUSED_EXTEND  # restored
+    assert fused_during == {"dynamic": {True}, "static": {True, False}}  # the static decode of both paths
+    assert out["fused_agrees_with_eager_extend"] == len(prompts)
+    assert out[eager]["dflash"]["tokens"] == out["static"]["dflash"]["tokens"] == 2 * 24
+    ratio = out["fused_over_eager_extend"]
+    assert ratio["dflash_tokens_per_second"] == pytest.approx(
+        out["static"]["dflash"]["tokens_per_second"] / out[eager]["dflash"]["tokens_per_second"])
+    assert ratio["dflash_seconds_per_step"] == pytest.approx(
+        out["static"]["dflash"]["seconds_per_step"] / out[eager]["dflash"]["seconds_per_step"])

@@ -314,6 +314,53 @@ def test_static_drafter_context_equals_the_dynamic_one(targets: dict) -> None:
         assert static.draft_greedy(77, 19).tolist() == dynamic.draft_greedy(77, 19).tolist()
 
 
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_fused_extension_drafts_as_the_eager_one_and_the_dynamic_runner(targets: dict, architecture: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The static drafter that projects a verified block inside the next block forward (`FUSED_EXTEND`) drafts
+    the tokens of the eager extension and of the dynamic runner, with the same hidden states: three prompts on one
+    runner (the second shorter than the first, so rows the first wrote lie in its masked tail; the third exactly a
+    block long, so its own prefill takes the pending path), extensions keeping 1..BLOCK tokens, and two block
+    extensions in a row (the first is then projected eagerly)."""
+    from tests.stage2_train.test_compiled_drafter import scaled
+
+    target = targets["llama"]
+    draft = scaled(drafter(target, architecture), 0)
+    if architecture == "dflash2":
+        randomise_added_parts(draft, 0)
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    features = torch.randn(1, 40, len(LAYER_IDS) * target.config.hidden_size,
+                           generator=torch.Generator().manual_seed(5))
+
+    def decode(runner: loop.DraftRunner) -> list[tuple[list[int], torch.Tensor]]:
+        out = []
+        for prompt, keeps in ((13, (2, 4, 1, 3)), (6, (4, 1)), (BLOCK, (3, 2))):
+            runner.reset()
+            runner.extend(features[:, :prompt])
+            start = prompt
+            for step, keep in enumerate(keeps):
+                bonus = 7 + 100 * step
+                out.append((runner.draft_greedy(bonus, start).tolist(), runner.block_hidden(bonus, start)))
+                runner.extend(features[:, start:start + BLOCK], keep)
+                start += keep
+                if step == 1:  # a second block before the next draft
+                    runner.extend(features[:, start:start + BLOCK], 1)
+                    start += 1
+            out.append((runner.draft_greedy(3, start).tolist(), runner.block_hidden(3, start)))
+        return out
+
+    with torch.inference_mode():
+        dynamic = decode(loop.DraftRunner(draft, embed, head))
+        fused = decode(loop.DraftRunner(draft, embed, head, capacity=64))
+        monkeypatch.setattr(loop, "FUSED_EXTEND", False)
+        eager = decode(loop.DraftRunner(draft, embed, head, capacity=64))
+    assert [tokens for tokens, _ in fused] == [tokens for tokens, _ in eager] == [tokens for tokens, _ in dynamic]
+    for (_, a), (_, b), (_, c) in zip(fused, eager, dynamic):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same rows projected by the same modules
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+    assert len({token for tokens, _ in dynamic for token in tokens}) > 1  # not one repeated token
+
+
 @contextmanager
 def no_host_reads() -> Iterator[None]:
     """Fail on any read of a tensor's value by the host (a device sync on CUDA, which a graph capture refuses)."""
