@@ -1227,8 +1227,8 @@ COMPILE_DRAFTER: bool | None = None
 # Whether the static path projects a verified block's target features into the drafter's context inside the next
 # block forward (graphed, and compiled with it) instead of eagerly at `DraftRunner.extend`: fc and norm were ~9 eager
 # launches a step on the host's side of the loop (the "extend" phase, 0.17 ms of a 2.47 ms speculative step on an
-# H100, 2026-12-06/07), now one copy. False: the eager extension, which benchmarks/bench_eval_decode.py
-# --unfused-extend compares in one run.
+# H100, 2026-12-06/07), now one copy. False (read when a runner is built): the eager extension, which
+# benchmarks/bench_eval_decode.py --eager-extend compares in one run.
 FUSED_EXTEND = True
 
 
@@ -1256,6 +1256,7 @@ class DraftRunner:
         self.length = 0  # context rows of the static buffer
         # the static block forward: compiled (`COMPILE_DRAFTER`; CompiledForward) or eager
         self._block_forward: Callable[[], tuple[Tensor, Tensor]] = self._eager_block
+        self.fused_extend = FUSED_EXTEND and capacity is not None  # fixed for the runner: its graph depends on it
         if capacity is not None:
             self.context = torch.zeros((1, capacity, draft.config.hidden_size), dtype=self.dtype, device=self.device)
             self._start = torch.zeros((), dtype=torch.long, device=self.device)
@@ -1324,7 +1325,7 @@ class DraftRunner:
             if self.length + rows > self.capacity:
                 raise RuntimeError(f"the drafter context holds {self.capacity} rows; {self.length + rows} needed")
             self._write_pending()
-            if FUSED_EXTEND and rows == self.block_size:  # a verified block: the next block forward projects it
+            if self.fused_extend and rows == self.block_size:  # a verified block: the next block forward projects it
                 self._pending.copy_(features)
                 self._pending_at.fill_(self.length)
                 self._pending_row = self.length
@@ -1388,9 +1389,10 @@ class DraftRunner:
         """`_static_block`'s device work (eager; `_block_forward` is this function or its compiled form)."""
         assert self.context is not None and self.capacity is not None
         offsets = torch.arange(self.block_size, device=self.device)
-        # The pending block's projection (`extend`): where nothing is pending, the rows of this block, which it masks
-        # and the next extension overwrites. The same values as an eager extension writes: fc and norm row by row.
-        self.context.index_copy_(1, self._pending_at + offsets, self.draft_model.project_context(self._pending))
+        if self.fused_extend:
+            # The pending block's projection (`extend`): where nothing is pending, the rows of this block, which it
+            # masks and the next extension overwrites. The values an eager extension writes: fc and norm row by row.
+            self.context.index_copy_(1, self._pending_at + offsets, self.draft_model.project_context(self._pending))
         noise = self._embed(torch.cat([self._bonus, self._masks], dim=1))
         q_pos = (self._start + offsets)[None]
         k_pos = torch.arange(self.capacity, device=self.device)[None]
@@ -1607,7 +1609,7 @@ def draft_runner(draft: DFlashDraftModel, embed_weight: Tensor, lm_head_weight: 
         return DraftRunner(draft, embed_weight, lm_head_weight, embed_scale)
     runners = draft.__dict__.setdefault("_dflash_static_runners", {})
     key = (embed_weight.data_ptr(), lm_head_weight.data_ptr(), embed_scale, graphs, str(param.device), param.dtype,
-           COMPILE_DRAFTER)
+           COMPILE_DRAFTER, FUSED_EXTEND)
     runner = runners.get(key)
     if runner is None or (runner.capacity or 0) < needed:
         runners.pop(key, None)
