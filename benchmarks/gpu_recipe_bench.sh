@@ -132,6 +132,7 @@ run_suffix=""
 [[ "$SEEDS" == *,* ]] && run_suffix="@s${SEEDS%%,*}"
 RECIPE_BENCH=${RECIPE_BENCH:-python3 benchmarks/recipe_bench.py}  # (a stub in a dry run of this script)
 BENCH_TRAIN=${BENCH_TRAIN:-python3 benchmarks/bench_train.py}  # (likewise)
+BENCH_EVAL_DECODE=${BENCH_EVAL_DECODE:-python3 benchmarks/bench_eval_decode.py}  # (likewise)
 export OUT WORK SITE
 mkdir -p "$OUT" "$WORK/import/dflash"
 for package in shared stage1_extract stage2_train; do ln -sfn "$PWD/$package" "$WORK/import/dflash/$package"; done
@@ -169,6 +170,11 @@ $RECIPE_BENCH run --cache "$WORK/cache_fp8" --out "$BENCH" --steps "$STEPS" \
 stage "recipe bench done (exit $?)"
 best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"] or "")' "$BENCH/bench.json" 2>/dev/null)
 drafter=$BENCH/runs/$best$run_suffix/export_best
+if [ ! -f "$drafter/config.json" ]; then  # the best was trained elsewhere (RESULTS_FROM): one trained here
+    drafter=$(find "$BENCH/runs" -path '*/export_best/config.json' 2>/dev/null | sort | head -1)
+    drafter=${drafter%/config.json}
+    best=$(basename "$(dirname "$drafter")")
+fi
 baseline=$BENCH/runs/${variant_args[1]%%=*}$run_suffix/export_best
 if [ "${EVAL_ALONE:-0}" = 1 ] && [ -f "$drafter/config.json" ]; then
     python3 -m dflash.shared.cli eval --draft "$drafter" --data mtbench,humaneval --max-samples "${EVAL_ALONE_SAMPLES:-20}" \
@@ -177,7 +183,7 @@ if [ "${EVAL_ALONE:-0}" = 1 ] && [ -f "$drafter/config.json" ]; then
 fi
 if [ "${EVAL_DECODE:-0}" = 1 ] && [ -f "$drafter/config.json" ]; then
     # shellcheck disable=SC2086
-    python3 benchmarks/bench_eval_decode.py --out "$OUT/eval_decode" --draft "$drafter" \
+    $BENCH_EVAL_DECODE --out "$OUT/eval_decode" --draft "$drafter" \
         ${EVAL_DECODE_FLAGS:---prompts 3 --new-tokens 256} >"$OUT/eval_decode.out" 2>&1
     stage "eval decode bench (exit $?)"
 fi

@@ -533,6 +533,32 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
     assert not any("checkpoints" in name or name.endswith(".safetensors") for name in names)
 
 
+def test_the_follow_ups_take_a_drafter_trained_here_when_the_best_was_carried(tmp_path: Path) -> None:
+    """With RESULTS_FROM the best variant may be one trained in an earlier session, whose drafter is not on this
+    machine: EVAL_DECODE then decodes with a variant's drafter trained here, not nothing."""
+    stub, decode_stub = tmp_path / "stub.py", tmp_path / "decode.py"
+    stub.write_text(STUB + '''
+(out / "bench.json").write_text(json.dumps({"best": "carried"}))
+(out / "runs" / "here" / "export_best").mkdir(parents=True)
+(out / "runs" / "here" / "export_best" / "config.json").write_text("{}")
+''')
+    decode_stub.write_text("import json, os, sys\nopen(os.environ['STUB_DECODE'], 'w').write(json.dumps(sys.argv[1:]))\n")
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "cache_fp8").mkdir(parents=True)
+    (work / "cache_fp8" / "manifest.json").write_text("{}")
+    env = {**os.environ, "STUB_CALLS": str(tmp_path / "calls.json"), "STUB_DECODE": str(tmp_path / "decode.json"),
+           "RECIPE_BENCH": f"{sys.executable} {stub}", "BENCH_EVAL_DECODE": f"{sys.executable} {decode_stub}",
+           "OUT": str(out), "WORK": str(work), "SITE": str(tmp_path / "site"), "VARIANTS": "carried=;here=--lr 2e-3",
+           "EVAL_DECODE": "1", "EVAL_DECODE_FLAGS": "--prompts 3 --eager-extend"}
+    result = subprocess.run(["bash", "benchmarks/gpu_recipe_bench.sh"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    args = json.loads((tmp_path / "decode.json").read_text())
+    assert args[args.index("--draft") + 1] == str(out / "bench" / "runs" / "here" / "export_best")
+    assert args[-3:] == ["--prompts", "3", "--eager-extend"]
+    assert "eval decode bench (exit 0)" in (out / "recipe_bench_stages.tsv").read_text()
+
+
 # A stand-in for benchmarks/bench_train.py in the GPU driver: appends its arguments and one environment variable.
 BENCH_TRAIN_STUB = r'''
 import json, os, sys
