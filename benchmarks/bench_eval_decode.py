@@ -45,7 +45,8 @@ Three opt-in parts (issue 31: speedup >= 0.7 x tau):
 --eager-extend adds, in part a, the last of the paths above again with ``+eager-extend``: the verified block's
     features projected into the drafter's context eagerly at `DraftRunner.extend`, as before 2026-12-07, instead of
     inside the next block forward (`modeling_dflash.FUSED_EXTEND`): ``fused_over_eager_extend`` (speculative tokens/s
-    and time per step) and ``fused_agrees_with_eager_extend`` (prompts with equal tokens).
+    and time per step), ``fused_agrees_with_eager_extend`` (prompts with equal tokens) and
+    ``fused_accepts_as_eager_extend`` (prompts with equal acceptance at every step: equal drafts).
 --phases (part a, CUDA only; skipped on CPU): the fast path(s) decode the prompts again with CUDA events around the
     loop's calls (patched inside this benchmark only) and report per step after the prefill the GPU-timeline ms of
     draft / verify / accept (with its read-back) / extend, of the plain step's forward / pick, each step's total (the
@@ -211,6 +212,10 @@ def decode_all(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompts: l
                 f"dflash_{measure}": out[fused]["dflash"][measure] / out[path]["dflash"][measure]
                 for measure in ("tokens_per_second", "seconds_per_step")}
             out["fused_agrees_with_eager_extend"] = agreeing(fused, path, "dflash")
+            # tokens agree whatever the drafter's context (greedy decoding is lossless); each step's acceptance
+            # does only where the drafts do (bf16 kernels may still flip a near-tie)
+            out["fused_accepts_as_eager_extend"] = sum(
+                a.accepted == b.accepted for a, b in zip(runs[fused]["dflash"], runs[path]["dflash"]))
     out["prompts"] = len(prompts)
     out["new_tokens"] = new_tokens
     return out

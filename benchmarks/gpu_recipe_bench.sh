@@ -170,9 +170,17 @@ $RECIPE_BENCH run --cache "$WORK/cache_fp8" --out "$BENCH" --steps "$STEPS" \
 stage "recipe bench done (exit $?)"
 best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"] or "")' "$BENCH/bench.json" 2>/dev/null)
 drafter=$BENCH/runs/$best$run_suffix/export_best
-if [ ! -f "$drafter/config.json" ]; then  # the best was trained elsewhere (RESULTS_FROM): one trained here
-    drafter=$(find "$BENCH/runs" -path '*/export_best/config.json' 2>/dev/null | sort | head -1)
-    drafter=${drafter%/config.json}
+if [ ! -f "$drafter/config.json" ]; then  # the best was trained elsewhere (RESULTS_FROM): the best trained here
+    drafter=$(python3 - "$BENCH" <<'PY'
+import json, sys
+from pathlib import Path
+bench = Path(sys.argv[1])
+rows = json.loads((bench / "bench.json").read_text()).get("results", []) if (bench / "bench.json").is_file() else []
+tau = {row["name"]: ((row.get("best_validation") or {}).get("tau") or 0.0) for row in rows if "name" in row}
+here = sorted(path.parent for path in (bench / "runs").glob("*/export_best/config.json"))
+print(max(here, key=lambda path: tau.get(path.parent.name, 0.0)) if here else "")
+PY
+)
     best=$(basename "$(dirname "$drafter")")
 fi
 baseline=$BENCH/runs/${variant_args[1]%%=*}$run_suffix/export_best

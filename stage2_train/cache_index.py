@@ -18,6 +18,7 @@ line that names a damaged shard and the command that repairs it.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -257,47 +258,70 @@ def _scan_shard(cache_dir: Path, shard: int, entry: dict[str, Any], feature_dim:
     return offsets, candidate_counts(loss_mask, offsets), sample_index
 
 
+# What one process may hold of side arrays read whole (`ShardStore`'s `hold_side_arrays`): each loader worker and,
+# while the next epoch's loader starts ahead, two of them at a time; what does not fit is read sample by sample.
+SIDE_ARRAYS_BUDGET_BYTES = 512 << 20
+_side_bytes_held = [0]  # this process's, counted by the stores that hold theirs and released when they are freed
+
+
+def _release_side_bytes(size: int) -> None:
+    _side_bytes_held[0] -= size
+
+
+def side_array_bytes(tokens: int, codec: FeatureCodec, num_layers: int) -> int:
+    """The bytes of a store's per-token side arrays: int32 ids, uint8 loss mask, and a scaled codec's float32 scales."""
+    return tokens * (4 + 1 + 4 * (codec.scale_columns(num_layers) if codec.scaled else 0))
+
+
 class ShardStore:
     """One shard store opened read-only, with its array handles (opening an array re-reads its metadata).
 
-    The per-token side arrays (`input_ids`, `loss_mask` and a scaled codec's `feature_scales`: 25 bytes a token for
-    fp8 over 5 layers, under 1 % of the features) are read whole, once, at their first use, and kept as numpy
-    arrays; the features and the top-k stay zarr arrays read sample by sample. Why: a zarr read costs ~0.3 ms
-    however small (zarr 3.1 on 2 CPU cores), and the cache's side arrays have chunks of up to 2^18-2^20 rows, so a
-    sample's read of them passed through a whole 1-5 MB chunk each time: on a one-shard cache of 13 M tokens
-    (the four-times data) ~10 MB of side arrays read and checksummed for every ~2 MB of a sample's features
-    (docs/benchmarks.md, "The loader's reads")."""
+    With ``hold_side_arrays`` (the training loader) the per-token side arrays (`input_ids`, `loss_mask` and a scaled
+    codec's `feature_scales`: 25 bytes a token for fp8 over 5 layers, under 1 % of the features) are read whole when
+    the store opens and kept as numpy arrays, as far as this process's SIDE_ARRAYS_BUDGET_BYTES allows; otherwise
+    they stay zarr arrays read sample by sample, as the features and the top-k always are. Why: a zarr read costs
+    ~0.3 ms however small (zarr 3.1 on 2 CPU cores), and the cache's side arrays have chunks of up to 2^18-2^20
+    rows, so a sample's read of them passes through whole 1-5 MB chunks: on the one-shard cache of the four-times
+    data (13 M tokens) 1.7 ms a sample, against 0.002 ms sliced from memory (docs/benchmarks.md, "The loader's
+    reads")."""
 
-    def __init__(self, cache_dir: Path, shard: int, codec: FeatureCodec) -> None:
+    def __init__(self, cache_dir: Path, shard: int, codec: FeatureCodec, hold_side_arrays: bool = False) -> None:
         self.shard = shard
         try:
             reader = cf.ShardReader(shard_source(cache_dir, shard), codec)
             self.reader = reader
             self.offsets = reader.offsets
             self.features = reader.features
+            self.feature_scales: Any = reader.feature_scales  # scaled codecs (fp8) only
+            self.input_ids: Any = reader.group["input_ids"]
+            self.loss_mask: Any = reader.group["loss_mask"]
             self.topk_ids, self.topk_logprobs = reader.topk_ids, reader.topk_logprobs  # a cache with top-k only
             self.topk_offsets = reader.topk_offsets
             self.group = reader.group
+            if hold_side_arrays:
+                self._hold_side_arrays()
         except Exception as error:  # noqa: BLE001
             raise shard_error(cache_dir, shard, f"cannot be opened ({error})") from error
         self._sample_index: np.ndarray | None = None
         self._sample_ids: np.ndarray | None = None
 
-    @cached_property
-    def input_ids(self) -> np.ndarray:
-        """The shard's token ids, int32 [tokens] (read at the first use)."""
-        return np.asarray(self.group["input_ids"][:])
-
-    @cached_property
-    def loss_mask(self) -> np.ndarray:
-        """The shard's loss mask, uint8 [tokens] (read at the first use)."""
-        return np.asarray(self.group["loss_mask"][:])
-
-    @cached_property
-    def feature_scales(self) -> np.ndarray | None:
-        """A scaled codec's feature scales, float32 [tokens, layers]; None for other codecs (read at the first use)."""
-        scales = self.reader.feature_scales
-        return None if scales is None else np.asarray(scales[:])
+    def _hold_side_arrays(self) -> None:
+        """Read the side arrays whole, if this process's budget has room for them."""
+        arrays = [a for a in (self.input_ids, self.loss_mask, self.feature_scales) if a is not None]
+        size = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays)
+        if _side_bytes_held[0] + size > SIDE_ARRAYS_BUDGET_BYTES:
+            return
+        held = {}
+        for name in ("input_ids", "loss_mask", "feature_scales"):
+            array = getattr(self, name)
+            try:
+                held[name] = None if array is None else np.asarray(array[:])
+            except Exception as error:  # noqa: BLE001 - a checksum failure, a vanished chunk: name the array
+                raise ValueError(f"its {name} could not be read ({type(error).__name__}: {error})") from error
+        for name, array in held.items():
+            setattr(self, name, array)
+        _side_bytes_held[0] += size
+        weakref.finalize(self, _release_side_bytes, size)
 
     def sample_meta(self, row: int) -> tuple[int, str]:
         """(sample_index, sample_id) of a row (both arrays read once per store)."""

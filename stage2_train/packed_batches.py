@@ -39,9 +39,13 @@ STEP_INPUTS = "step_inputs"
 
 
 def _read_into(array: Any, start: int, end: int, out: np.ndarray) -> None:
-    """Read rows start:end of a zarr array straight into `out` (no intermediate array)."""
+    """Read rows start:end of a zarr array straight into `out` (no intermediate array), or copy them from an array
+    held in memory (`ShardStore`'s side arrays)."""
     from zarr.core.buffer import default_buffer_prototype
 
+    if isinstance(array, np.ndarray):
+        out[...] = array[start:end]
+        return
     selection = (slice(start, end),) + (slice(None),) * (out.ndim - 1)
     array.get_basic_selection(selection, out=default_buffer_prototype().nd_buffer.from_numpy_array(out))
 
@@ -118,7 +122,7 @@ class CacheBatches(IterableDataset):
             self._stores, self._pid = {}, os.getpid()
         store = self._stores.get(shard)
         if store is None:
-            store = self._stores[shard] = ShardStore(self.cache_dir, shard, self.codec)
+            store = self._stores[shard] = ShardStore(self.cache_dir, shard, self.codec, hold_side_arrays=True)
         return store
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -137,7 +141,7 @@ class CacheBatches(IterableDataset):
         first = self._store(int(rows[0, 0]))
         dim = int(first.features.shape[1])
         shared = get_worker_info() is not None
-        columns = int(first.reader.feature_scales.shape[1]) if self.codec.scaled else 0
+        columns = int(first.feature_scales.shape[1]) if self.codec.scaled else 0
         stored_dtype = torch.from_numpy(np.zeros(0, self.codec.stored_dtype)).dtype
         features = _empty_tensor((width, dim), stored_dtype, shared)
         feature_bits = features.numpy()  # the same memory, as numpy for zarr to read into
@@ -153,9 +157,9 @@ class CacheBatches(IterableDataset):
             try:
                 _read_into(store.features, start, end, feature_bits[begin : begin + length])
                 if scales is not None:
-                    scales.numpy()[begin : begin + length] = store.feature_scales[start:end]
-                input_ids[begin : begin + length] = store.input_ids[start:end]
-                loss_mask[begin : begin + length] = store.loss_mask[start:end]
+                    _read_into(store.feature_scales, start, end, scales.numpy()[begin : begin + length])
+                _read_into(store.input_ids, start, end, input_ids[begin : begin + length])
+                _read_into(store.loss_mask, start, end, loss_mask[begin : begin + length])
                 if topk is not None:
                     _read_topk(store, row, loss_mask[begin : begin + length], topk[0][begin : begin + length],
                                topk[1][begin : begin + length])

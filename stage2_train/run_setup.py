@@ -25,6 +25,7 @@ from dflash.shared.feature_codecs import FeatureCodec, manifest_codec
 from dflash.shared.logs import get_logger, setup_logging
 from dflash.shared.output_dirs import refuse_foreign_folder
 from dflash.shared.run_files import BEST_RECORD_FILE, CONFIG_FILE, RunFiles
+from dflash.stage2_train import cache_index
 from dflash.stage2_train.cache_index import CacheIndex
 from dflash.stage2_train.checkpoints import intact_checkpoint
 from dflash.stage2_train.draft_attention import training_drafter, use_training_attention
@@ -567,6 +568,8 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
              for epoch in epochs for pack in run.plan(epoch)]
     largest = max(packs, key=lambda pack: int(step_bytes(shape, *pack)))
     limit = limit_from_option(run.options.memory_limit, run.device)
+    if run.options.memory_limit is None and run.device.type != "cuda":
+        limit = max(0, limit - loader_side_bytes(run))  # the loader's processes share this machine's memory
     plan = make_plan(shape, largest, (int(lengths[costliest]), int(blocks[costliest])), limit, str(run.device),
                      in_use_bytes(run.device))
     split = int(step_bytes(shape, *largest)) > plan.budget_bytes
@@ -580,6 +583,15 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
              plan.planned_peak_bytes / GIB, largest[0],
              largest[1], "; micro-batches that do not fit are split and accumulated" if split else "")
     return plan
+
+
+def loader_side_bytes(run: TrainingRun) -> int:
+    """What the loader's processes may hold of the cache's side arrays read whole (`cache_index.ShardStore`): each
+    worker (or this process, without workers) up to its budget, two epochs' loaders at a time."""
+    tokens = sum(int(entry.get("tokens", 0)) for entry in run.manifest["shards"].values())
+    per_process = min(cache_index.SIDE_ARRAYS_BUDGET_BYTES,
+                      cache_index.side_array_bytes(tokens, run.codec, run.config.num_context_layers))
+    return 2 * max(1, int(run.options.num_workers or 0)) * per_process
 
 
 def one_forward_a_step_under_fsdp(world: int, why: str) -> str:

@@ -70,7 +70,7 @@ def test_the_eager_extend_path_runs_the_loop_with_the_eager_extension_and_is_com
     out = bench_eval_decode.decode_all(target, draft, prompts, 24, 80, ("dynamic", "static", eager))
     assert bench_eval_decode.loop.FUSED_EXTEND  # restored
     assert fused_during == {"dynamic": {True}, "static": {True, False}}  # the static decode of both paths
-    assert out["fused_agrees_with_eager_extend"] == len(prompts)
+    assert out["fused_agrees_with_eager_extend"] == out["fused_accepts_as_eager_extend"] == len(prompts)
     assert out[eager]["dflash"]["tokens"] == out["static"]["dflash"]["tokens"] == 2 * 24
     ratio = out["fused_over_eager_extend"]
     assert ratio["dflash_tokens_per_second"] == pytest.approx(

@@ -535,12 +535,15 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
 
 def test_the_follow_ups_take_a_drafter_trained_here_when_the_best_was_carried(tmp_path: Path) -> None:
     """With RESULTS_FROM the best variant may be one trained in an earlier session, whose drafter is not on this
-    machine: EVAL_DECODE then decodes with a variant's drafter trained here, not nothing."""
+    machine: EVAL_DECODE then decodes with the best (by validation tau) of the drafters trained here, not nothing."""
     stub, decode_stub = tmp_path / "stub.py", tmp_path / "decode.py"
     stub.write_text(STUB + '''
-(out / "bench.json").write_text(json.dumps({"best": "carried"}))
-(out / "runs" / "here" / "export_best").mkdir(parents=True)
-(out / "runs" / "here" / "export_best" / "config.json").write_text("{}")
+rows = [{"name": "carried", "best_validation": {"tau": 5.0}}, {"name": "aaa", "best_validation": {"tau": 3.0}},
+        {"name": "here", "best_validation": {"tau": 4.0}}]
+(out / "bench.json").write_text(json.dumps({"best": "carried", "results": rows}))
+for name in ("aaa", "here"):
+    (out / "runs" / name / "export_best").mkdir(parents=True)
+    (out / "runs" / name / "export_best" / "config.json").write_text("{}")
 ''')
     decode_stub.write_text("import json, os, sys\nopen(os.environ['STUB_DECODE'], 'w').write(json.dumps(sys.argv[1:]))\n")
     work, out = tmp_path / "work", tmp_path / "out"
@@ -548,7 +551,8 @@ def test_the_follow_ups_take_a_drafter_trained_here_when_the_best_was_carried(tm
     (work / "cache_fp8" / "manifest.json").write_text("{}")
     env = {**os.environ, "STUB_CALLS": str(tmp_path / "calls.json"), "STUB_DECODE": str(tmp_path / "decode.json"),
            "RECIPE_BENCH": f"{sys.executable} {stub}", "BENCH_EVAL_DECODE": f"{sys.executable} {decode_stub}",
-           "OUT": str(out), "WORK": str(work), "SITE": str(tmp_path / "site"), "VARIANTS": "carried=;here=--lr 2e-3",
+           "OUT": str(out), "WORK": str(work), "SITE": str(tmp_path / "site"),
+           "VARIANTS": "carried=;aaa=--lr 5e-4;here=--lr 2e-3",
            "EVAL_DECODE": "1", "EVAL_DECODE_FLAGS": "--prompts 3 --eager-extend"}
     result = subprocess.run(["bash", "benchmarks/gpu_recipe_bench.sh"], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=120)

@@ -568,8 +568,7 @@ def test_resume_yields_exactly_the_tail_without_reading_skipped_features(
     assert len(resumed) == len(epoch_plan) - start
     tail = collect(resumed, 0)
     assert len(tail) == len(full) - start and all(same_batch(a, b) for a, b in zip(tail, full[start:]))
-    # only the tail's features are read sample by sample (the ids and masks: each store's whole arrays, once)
-    assert sum(reads) == sum(s.length for batch in epoch_plan[start:] for s in batch)
+    assert sum(reads) == 3 * sum(s.length for batch in epoch_plan[start:] for s in batch)  # features, ids, mask
     monkeypatch.undo()
     for workers in (2, 3):
         items = collect(CacheBatches(cache, epoch_plan, start, **options), workers)
@@ -715,6 +714,51 @@ def test_damaged_features_fail_in_the_loader_naming_the_shard(cache: Path, tmp_p
             collect(CacheBatches(copy, plan, epoch=0, seed=0, rule=AnchorRule(None, 4, 4), bucket_multiple=PAD),
                     workers)
         _assert_names_shard(error, copy.resolve(), 2)
+
+
+def test_damaged_token_ids_fail_in_the_loader_naming_the_shard_and_the_array(cache: Path, tmp_path: Path) -> None:
+    """The loader reads a store's side arrays whole when it opens it: a damaged chunk of its token ids (which the
+    index does not read) stops it with the shard and the array named, in the main process and in workers."""
+    copy = _copy(cache, tmp_path)
+    index = CacheIndex.from_cache(copy, 0.1, 0)
+    plan = [[s] for s in index.train if s.shard == 2]
+    for path in (cf.shard_path(copy, 2) / "input_ids").rglob("*"):
+        if path.is_file() and path.name != "zarr.json":
+            raw = bytearray(path.read_bytes())
+            raw[3] ^= 0xFF
+            path.write_bytes(bytes(raw))
+    for workers in (0, 2):
+        with pytest.raises(CacheError, match="input_ids could not be read") as error:
+            collect(CacheBatches(copy, plan, epoch=0, seed=0, rule=AnchorRule(None, 4, 4), bucket_multiple=PAD),
+                    workers)
+        _assert_names_shard(error, copy.resolve(), 2)
+
+
+def test_side_arrays_held_within_the_budget_give_the_batches_read_sample_by_sample(
+        cache: Path, epoch_plan: list[list[Sample]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's stores hold their side arrays in memory while the process's budget has room, and read them
+    sample by sample past it, with the same batches; the bytes held are counted while the stores live and
+    released when they are freed (the loader of the next epoch opens its own)."""
+    import gc
+
+    from dflash.stage2_train import cache_index
+
+    options = {"epoch": 0, "seed": 1, "rule": AnchorRule(None, 8, 4), "bucket_multiple": PAD}
+    before = cache_index._side_bytes_held[0]
+    held = CacheBatches(cache, epoch_plan, **options)
+    batches = collect(held, 0)
+    assert held._stores and all(isinstance(s.input_ids, np.ndarray) for s in held._stores.values())
+    tokens = sum(len(s.input_ids) for s in held._stores.values())
+    assert cache_index._side_bytes_held[0] - before == tokens * (4 + 1)  # int32 ids and uint8 mask (bf16: no scales)
+    # room for some of the second loader's stores beside the first loader's, which still hold theirs
+    monkeypatch.setattr(cache_index, "SIDE_ARRAYS_BUDGET_BYTES", cache_index._side_bytes_held[0] + tokens * 5 // 2)
+    partly = CacheBatches(cache, epoch_plan, **options)
+    assert all(same_batch(a, b) for a, b in zip(collect(partly, 0), batches)) and len(batches) == len(epoch_plan)
+    kinds = {isinstance(s.input_ids, np.ndarray) for s in partly._stores.values()}
+    assert kinds == {True, False}  # the first stores held, the later ones read sample by sample
+    del held, partly
+    gc.collect()
+    assert cache_index._side_bytes_held[0] == before
 
 
 # ---------------------------------------------------------------------------------------------- anchors

@@ -412,3 +412,23 @@ def test_fsdp_processes_refuse_micro_batches_the_plan_would_split(train_cache: P
     finally:
         if run.lock is not None:
             run.lock.release()
+
+
+@pytest.mark.parametrize("tokens, workers, want_per_process", [
+    (1_000_000, 2, 25_000_000), (3_250_000, 0, 81_250_000), (13_000_000, 6, 325_000_000), (30_000_000, 6, 512 << 20), (0, 2, 0)])
+def test_the_cpu_plan_leaves_room_for_the_loaders_side_arrays(tokens: int, workers: int,
+                                                               want_per_process: int) -> None:
+    """Each loader process (a worker, or the trainer without workers) may hold the cache's side arrays up to its
+    budget (fp8 over 5 layers: 25 bytes a token), two epochs' loaders at a time: the CPU plan subtracts that."""
+    from types import SimpleNamespace
+
+    from dflash.shared.feature_codecs import FP8
+    from dflash.stage2_train import cache_index
+    from dflash.stage2_train.run_setup import loader_side_bytes
+
+    half = tokens // 2
+    run = SimpleNamespace(manifest={"shards": {"0": {"tokens": half}, "1": {"tokens": tokens - half}}}, codec=FP8,
+                          config=SimpleNamespace(num_context_layers=5),
+                          options=SimpleNamespace(num_workers=workers))
+    assert cache_index.side_array_bytes(tokens, FP8, 5) == 25 * tokens
+    assert loader_side_bytes(run) == 2 * max(1, workers) * want_per_process
