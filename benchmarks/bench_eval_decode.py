@@ -46,7 +46,8 @@ Three opt-in parts (issue 31: speedup >= 0.7 x tau):
     features projected into the drafter's context eagerly at `DraftRunner.extend`, as before 2026-12-07, instead of
     inside the next block forward (`modeling_dflash.FUSED_EXTEND`): ``fused_over_eager_extend`` (speculative tokens/s
     and time per step), ``fused_agrees_with_eager_extend`` (prompts with equal tokens) and
-    ``fused_accepts_as_eager_extend`` (prompts with equal acceptance at every step: equal drafts).
+    ``fused_accepts_as_eager_extend`` (prompts with equal acceptance at every step, which a drafter context that
+    differs would rarely keep).
 --phases (part a, CUDA only; skipped on CPU): the fast path(s) decode the prompts again with CUDA events around the
     loop's calls (patched inside this benchmark only) and report per step after the prefill the GPU-timeline ms of
     draft / verify / accept (with its read-back) / extend, of the plain step's forward / pick, each step's total (the

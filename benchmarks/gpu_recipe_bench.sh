@@ -171,7 +171,7 @@ stage "recipe bench done (exit $?)"
 best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"] or "")' "$BENCH/bench.json" 2>/dev/null)
 drafter=$BENCH/runs/$best$run_suffix/export_best
 if [ ! -f "$drafter/config.json" ]; then  # the best was trained elsewhere (RESULTS_FROM): the best trained here
-    drafter=$(python3 - "$BENCH" <<'PY'
+    drafter=$(python3 - "$BENCH" 2>/dev/null <<'PY'
 import json, sys
 from pathlib import Path
 bench = Path(sys.argv[1])

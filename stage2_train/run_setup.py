@@ -568,8 +568,10 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
              for epoch in epochs for pack in run.plan(epoch)]
     largest = max(packs, key=lambda pack: int(step_bytes(shape, *pack)))
     limit = limit_from_option(run.options.memory_limit, run.device)
+    reserved = 0
     if run.options.memory_limit is None and run.device.type != "cuda":
-        limit = max(0, limit - loader_side_bytes(run))  # the loader's processes share this machine's memory
+        reserved = min(limit, loader_side_bytes(run))  # the loader's processes share this machine's memory
+        limit -= reserved
     plan = make_plan(shape, largest, (int(lengths[costliest]), int(blocks[costliest])), limit, str(run.device),
                      in_use_bytes(run.device))
     split = int(step_bytes(shape, *largest)) > plan.budget_bytes
@@ -578,8 +580,9 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
             run.world, f"the largest micro-batch ({largest[0]} tokens, {largest[1]} blocks) needs "
             f"~{step_bytes(shape, *largest) * SAFETY / GIB:.1f} GiB, more than the "
             f"{plan.budget_bytes * SAFETY / GIB:.1f} GiB a micro-batch may use"))
-    log.info("memory: %.2f GiB in use, %.2f GiB free on %s; planned peak %.2f GiB more (the largest micro-batch, %d "
-             "tokens and %d blocks, with the optimizer state)%s", plan.in_use_bytes / GIB, limit / GIB, run.device,
+    log.info("memory: %.2f GiB in use, %.2f GiB free on %s%s; planned peak %.2f GiB more (the largest micro-batch, "
+             "%d tokens and %d blocks, with the optimizer state)%s", plan.in_use_bytes / GIB, limit / GIB, run.device,
+             f" besides {reserved / GIB:.2f} GiB left to the loader's side arrays" if reserved else "",
              plan.planned_peak_bytes / GIB, largest[0],
              largest[1], "; micro-batches that do not fit are split and accumulated" if split else "")
     return plan
