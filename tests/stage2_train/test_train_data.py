@@ -744,20 +744,24 @@ def test_side_arrays_held_within_the_budget_give_the_batches_read_sample_by_samp
     from dflash.stage2_train import cache_index
 
     options = {"epoch": 0, "seed": 1, "rule": AnchorRule(None, 8, 4), "bucket_multiple": PAD}
-    gc.collect()  # stores of earlier tests freed before counting
-    before = cache_index._side_bytes_held[0]
-    held = CacheBatches(cache, epoch_plan, **options)
-    batches = collect(held, 0)
-    assert held._stores and all(isinstance(s.input_ids, np.ndarray) for s in held._stores.values())
-    tokens = sum(len(s.input_ids) for s in held._stores.values())
-    assert cache_index._side_bytes_held[0] - before == tokens * (4 + 1)  # int32 ids and uint8 mask (bf16: no scales)
-    # room for some of the second loader's stores beside the first loader's, which still hold theirs
-    monkeypatch.setattr(cache_index, "SIDE_ARRAYS_BUDGET_BYTES", cache_index._side_bytes_held[0] + tokens * 5 // 2)
-    partly = CacheBatches(cache, epoch_plan, **options)
-    assert all(same_batch(a, b) for a, b in zip(collect(partly, 0), batches)) and len(batches) == len(epoch_plan)
-    kinds = {isinstance(s.input_ids, np.ndarray) for s in partly._stores.values()}
-    assert kinds == {True, False}  # the first stores held, the later ones read sample by sample
-    del held, partly
+    gc.collect()  # stores of earlier tests freed before counting, and none freed while this test counts
+    gc.disable()
+    try:
+        before = cache_index._side_bytes_held[0]
+        held = CacheBatches(cache, epoch_plan, **options)
+        batches = collect(held, 0)
+        assert held._stores and all(isinstance(s.input_ids, np.ndarray) for s in held._stores.values())
+        tokens = sum(len(s.input_ids) for s in held._stores.values())
+        assert cache_index._side_bytes_held[0] - before == tokens * (4 + 1)  # int32 ids, uint8 mask (bf16: no scales)
+        # room for some of the second loader's stores beside the first loader's, which still hold theirs
+        monkeypatch.setattr(cache_index, "SIDE_ARRAYS_BUDGET_BYTES", cache_index._side_bytes_held[0] + tokens * 5 // 2)
+        partly = CacheBatches(cache, epoch_plan, **options)
+        assert all(same_batch(a, b) for a, b in zip(collect(partly, 0), batches)) and len(batches) == len(epoch_plan)
+        kinds = {isinstance(s.input_ids, np.ndarray) for s in partly._stores.values()}
+        assert kinds == {True, False}  # the first stores held, the later ones read sample by sample
+        del held, partly
+    finally:
+        gc.enable()
     gc.collect()
     assert cache_index._side_bytes_held[0] == before
 
