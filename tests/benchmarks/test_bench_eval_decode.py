@@ -77,3 +77,28 @@ def test_the_eager_extend_path_runs_the_loop_with_the_eager_extension_and_is_com
         out["static"]["dflash"]["tokens_per_second"] / out[eager]["dflash"]["tokens_per_second"])
     assert ratio["dflash_seconds_per_step"] == pytest.approx(
         out["static"]["dflash"]["seconds_per_step"] / out[eager]["dflash"]["seconds_per_step"])
+
+
+def test_the_fused_extension_leaves_the_projection_out_of_the_hosts_operations_a_step() -> None:
+    """benchmarks/loop_host_ops.py's count on a tiny target: with FUSED_EXTEND the drafter's context projection (a
+    linear layer and an RMS norm) runs inside the graphed block forward, so none of its operations is dispatched
+    eagerly a step; without it each step but a generation's last (which ends before extending) dispatches one of
+    each; both take two graphed forwards a step."""
+    import loop_host_ops
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=500,
+                                  tie_word_embeddings=False)
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+    draft = bench_eval_decode.random_drafter(target, 499, torch.device("cpu"))
+    prompts = [list(range(10, 30)), list(range(40, 52))]
+    with torch.inference_mode():
+        fused, eager = (loop_host_ops.count(target, draft, prompts, 12, f) for f in (True, False))
+    assert fused["steps"] == eager["steps"] > 0 and bench_eval_decode.loop.FUSED_EXTEND  # restored
+    assert fused["graph_replays_per_step"] == eager["graph_replays_per_step"] == 2.0  # draft block, verify block
+    for name in ("linear", "rsqrt", "pow"):
+        assert name not in fused["ops_per_step"]
+        assert eager["ops_per_step"][name] * eager["steps"] == pytest.approx(eager["steps"] - len(prompts))
+    assert fused["eager_ops_per_step"] < eager["eager_ops_per_step"] - 5
