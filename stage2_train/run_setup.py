@@ -582,7 +582,7 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
             f"{plan.budget_bytes * SAFETY / GIB:.1f} GiB a micro-batch may use"))
     log.info("memory: %.2f GiB in use, %.2f GiB free on %s%s; planned peak %.2f GiB more (the largest micro-batch, "
              "%d tokens and %d blocks, with the optimizer state)%s", plan.in_use_bytes / GIB, limit / GIB, run.device,
-             f" besides {reserved / GIB:.2f} GiB left to the loader's side arrays" if reserved else "",
+             f" besides {reserved / 2**20:.0f} MiB left to the loader's side arrays" if reserved else "",
              plan.planned_peak_bytes / GIB, largest[0],
              largest[1], "; micro-batches that do not fit are split and accumulated" if split else "")
     return plan
