@@ -45,10 +45,9 @@ def test_the_large_target_part_times_a_hybrids_feed_again_and_counts_it_in_the_s
         assert result["loops"][path]["speculative_equals_plain"] == 1
 
 
-def test_the_eager_extend_path_runs_the_loop_with_the_eager_extension_and_is_compared_to_the_fused_one(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--eager-extend`'s path: `decode_all` decodes it with `FUSED_EXTEND` off (and only it), its tokens are
-    compared with the fused path's, and the ratios are those of the two paths' own figures."""
+@pytest.fixture(scope="module")
+def tiny_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A Qwen3 target of 8 layers, hidden 64, and a random drafter of `dflash train`'s default shape for it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=8,
@@ -56,7 +55,14 @@ def test_the_eager_extend_path_runs_the_loop_with_the_eager_extension_and_is_com
                                   tie_word_embeddings=False)
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
-    draft = bench_eval_decode.random_drafter(target, 499, torch.device("cpu"))
+    return target, bench_eval_decode.random_drafter(target, 499, torch.device("cpu"))
+
+
+def test_the_eager_extend_path_runs_the_loop_with_the_eager_extension_and_is_compared_to_the_fused_one(
+        tiny_pair: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--eager-extend`'s path: `decode_all` decodes it with `FUSED_EXTEND` off (and only it), its tokens are
+    compared with the fused path's, and the ratios are those of the two paths' own figures."""
+    target, draft = tiny_pair
     fused_during: dict[str, set[bool]] = {}
     speculative = bench_eval_decode.loop.speculative_generate
 
@@ -79,20 +85,14 @@ def test_the_eager_extend_path_runs_the_loop_with_the_eager_extension_and_is_com
         out["static"]["dflash"]["seconds_per_step"] / out[eager]["dflash"]["seconds_per_step"])
 
 
-def test_the_fused_extension_leaves_the_projection_out_of_the_hosts_operations_a_step() -> None:
+def test_the_fused_extension_leaves_the_projection_out_of_the_hosts_operations_a_step(tiny_pair: tuple) -> None:
     """benchmarks/loop_host_ops.py's count on a tiny target: with FUSED_EXTEND the drafter's context projection (a
     linear layer and an RMS norm) runs inside the graphed block forward, so none of its operations is dispatched
     eagerly a step; without it each step but a generation's last (which ends before extending) dispatches one of
     each; both take two graphed forwards a step."""
     import loop_host_ops
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=500,
-                                  tie_word_embeddings=False)
-    torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
-    draft = bench_eval_decode.random_drafter(target, 499, torch.device("cpu"))
+    target, draft = tiny_pair
     prompts = [list(range(10, 30)), list(range(40, 52))]
     with torch.inference_mode():
         fused, eager = (loop_host_ops.count(target, draft, prompts, 12, f) for f in (True, False))

@@ -700,38 +700,32 @@ def test_unreadable_or_incomplete_store_is_named(cache: Path, tmp_path: Path) ->
     _assert_names_shard(error, copy.resolve(), 1)
 
 
-def test_damaged_features_fail_in_the_loader_naming_the_shard(cache: Path, tmp_path: Path) -> None:
+def _loader_fails_on_a_damaged_array(cache: Path, tmp_path: Path, array: str, offset: int, match: str | None) -> None:
+    """Flip a byte of every chunk file of shard 2's `array` in a copy of the cache: the loader of that shard's
+    samples stops with the shard named (and `match` in the message), in the main process and in workers."""
     copy = _copy(cache, tmp_path)
     index = CacheIndex.from_cache(copy, 0.1, 0)
     plan = [[s] for s in index.train if s.shard == 2]
-    for path in (cf.shard_path(copy, 2) / "features").rglob("*"):
+    for path in (cf.shard_path(copy, 2) / array).rglob("*"):
         if path.is_file() and path.name != "zarr.json":
             raw = bytearray(path.read_bytes())
-            raw[10] ^= 0xFF
+            raw[offset] ^= 0xFF
             path.write_bytes(bytes(raw))
     for workers in (0, 2):
-        with pytest.raises(CacheError) as error:
+        with pytest.raises(CacheError, match=match) as error:
             collect(CacheBatches(copy, plan, epoch=0, seed=0, rule=AnchorRule(None, 4, 4), bucket_multiple=PAD),
                     workers)
         _assert_names_shard(error, copy.resolve(), 2)
+
+
+def test_damaged_features_fail_in_the_loader_naming_the_shard(cache: Path, tmp_path: Path) -> None:
+    _loader_fails_on_a_damaged_array(cache, tmp_path, "features", 10, None)
 
 
 def test_damaged_token_ids_fail_in_the_loader_naming_the_shard_and_the_array(cache: Path, tmp_path: Path) -> None:
     """The loader reads a store's side arrays whole when it opens it: a damaged chunk of its token ids (which the
-    index does not read) stops it with the shard and the array named, in the main process and in workers."""
-    copy = _copy(cache, tmp_path)
-    index = CacheIndex.from_cache(copy, 0.1, 0)
-    plan = [[s] for s in index.train if s.shard == 2]
-    for path in (cf.shard_path(copy, 2) / "input_ids").rglob("*"):
-        if path.is_file() and path.name != "zarr.json":
-            raw = bytearray(path.read_bytes())
-            raw[3] ^= 0xFF
-            path.write_bytes(bytes(raw))
-    for workers in (0, 2):
-        with pytest.raises(CacheError, match="input_ids could not be read") as error:
-            collect(CacheBatches(copy, plan, epoch=0, seed=0, rule=AnchorRule(None, 4, 4), bucket_multiple=PAD),
-                    workers)
-        _assert_names_shard(error, copy.resolve(), 2)
+    index does not read) stops it with the shard and the array named."""
+    _loader_fails_on_a_damaged_array(cache, tmp_path, "input_ids", 3, "input_ids could not be read")
 
 
 def test_side_arrays_held_within_the_budget_give_the_batches_read_sample_by_sample(
