@@ -270,7 +270,7 @@ def _release_side_bytes(size: int) -> None:
 
 def side_array_bytes(tokens: int, codec: FeatureCodec, num_layers: int) -> int:
     """The bytes of a store's per-token side arrays: int32 ids, uint8 loss mask, and a scaled codec's float32 scales."""
-    return tokens * (4 + 1 + 4 * (codec.scale_columns(num_layers) if codec.scaled else 0))
+    return tokens * (4 + 1 + 4 * codec.scale_columns(num_layers))
 
 
 class ShardStore:

@@ -551,9 +551,7 @@ def plan_memory(run: TrainingRun) -> MemoryPlan:
     if run.device.type == "cuda":
         # The stored features copied on the side stream (trainer.stored_features): two micro-batches' at most, each
         # a loader batch of --batch-tokens or a longer sequence alone, padded to its bucket.
-        token_bytes = shape.context_dim * run.codec.stored_dtype.itemsize
-        if run.codec.scaled:
-            token_bytes += 4 * run.config.num_context_layers
+        token_bytes = run.codec.stored_row_bytes(shape.context_dim, run.config.num_context_layers)
         tokens = bucket(max(run.options.batch_tokens, int(lengths.max())), run.bucket_multiple)
         shape = replace(shape, copied_aside_bytes=2 * tokens * token_bytes)
     blocks = run.anchor_rule.count(run.index.candidates[train])
