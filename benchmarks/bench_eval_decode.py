@@ -28,7 +28,7 @@ Recipe (the GPU machine, one H100; about 4 minutes, most of it the dynamic path 
     flash-linear-attention nor causal-conv1d), so it measures this loop as `dflash eval` runs it there, not a
     serving engine's kernels.
 
-Three opt-in parts (issue 31: speedup >= 0.7 x tau):
+Opt-in parts (issue 31: speedup >= 0.7 x tau):
 --compile-drafter adds the path ``static+compiled-drafter``: the fast path with the drafter's block forward compiled
     by torch.compile before its CUDA graph is captured (`modeling_dflash.COMPILE_DRAFTER`; `dflash eval`'s default
     with CUDA graphs since it was measured here on 2026-12-06, while this benchmark's ``static`` path keeps the
@@ -47,11 +47,21 @@ Three opt-in parts (issue 31: speedup >= 0.7 x tau):
     inside the next block forward (`modeling_dflash.FUSED_EXTEND`): ``fused_over_eager_extend`` (speculative tokens/s
     and time per step), ``fused_agrees_with_eager_extend`` (prompts with equal tokens) and
     ``fused_accepts_as_eager_extend`` (prompts with equal acceptance at every step, which a drafter context that
-    differs would rarely keep).
+    differs would rarely keep). Measured on an H100 on 2026-12-07, before the pipelined draft: 1.064-1.066x
+    (docs/benchmarks.md). The pipelined draft needs the fused projection, so this path drafts after the read-back
+    too: alone it compares both changes at once; with --serial-draft, with that path (the fused projection alone).
+--serial-draft adds, likewise, the last path with ``+serial-draft``: each block drafted after the host read back the
+    acceptance of the block before (`modeling_dflash.PIPELINED_DRAFT` off), as before 2026-12-07, instead of drafted
+    on the device while the host reads it: ``pipelined_over_serial_draft``, ``pipelined_agrees_with_serial_draft``
+    and ``pipelined_accepts_as_serial_draft`` (the same drafts from the same context: every prompt, expected).
+    Its phases are not those of 2026-12-07's table: ``accept`` was the acceptance with its read-back; it is the
+    acceptance's kernels now, the read-back's wait falling in ``other`` on the serial path.
 --phases (part a, CUDA only; skipped on CPU): the fast path(s) decode the prompts again with CUDA events around the
     loop's calls (patched inside this benchmark only) and report per step after the prefill the GPU-timeline ms of
-    draft / verify / accept (with its read-back) / extend, of the plain step's forward / pick, each step's total (the
-    mean interval between consecutive step starts) and ``other`` (the step minus its phases: the host's share).
+    draft / verify / accept (the acceptance's kernels; its read-back overlaps the next draft where that is pipelined)
+    / extend (without the pipelined draft only), of the plain step's forward / pick, each step's total (the mean
+    interval between consecutive verify starts) and ``other`` (the step minus its phases: where the GPU waits for
+    the host).
 
 Warm-up first: every path decodes the first prompt (graphs captured, kernels chosen) before the timed runs, and the
 static buffers are sized for the longest prompt, so compile/capture time stays out of the timed window. Results:
@@ -90,7 +100,13 @@ from dflash.stage2_train.target_parts import scaled_embedding  # noqa: E402
 PATHS = ("dynamic", "static")  # "static" = the fast path (CUDA graphs on a GPU)
 COMPILED = "static+compiled-drafter"  # the fast path with the drafter's block forward compiled (--compile-drafter)
 BOTH_COMPILED = "static+compiled-target"  # the drafter's block and the target's fixed-width forwards compiled
-EAGER_EXTEND = "+eager-extend"  # a path's suffix: the verified block projected at `extend` (FUSED_EXTEND off)
+# A path's suffix that turns one of the loop's options off: suffix -> (the option's name, the name of its absence, in
+# the comparison's keys; the `modeling_dflash` flag). The pipelined draft needs the fused projection, so
+# +eager-extend drafts after the read-back too: with both suffixes its comparison is with +serial-draft's path.
+EAGER_EXTEND = "+eager-extend"  # the verified block projected at `extend` (FUSED_EXTEND off)
+SERIAL_DRAFT = "+serial-draft"  # the next block drafted after the acceptance's read-back (PIPELINED_DRAFT off)
+LOOP_OPTIONS = {EAGER_EXTEND: ("fused", "eager_extend", "FUSED_EXTEND"),
+                SERIAL_DRAFT: ("pipelined", "serial_draft", "PIPELINED_DRAFT")}
 TAUS = (3.0, 4.0, 6.0)
 DRAFT_LAYERS = ExtractOptions.draft_layers  # `dflash extract`'s default: 5 captured layers, 5 drafter layers
 
@@ -115,15 +131,26 @@ def random_drafter(target: torch.nn.Module, mask_token_id: int, device: torch.de
 @contextmanager
 def compiled_parts(path: str) -> Iterator[None]:
     """`loop.COMPILE_DRAFTER` on for the COMPILED and BOTH_COMPILED paths, `loop.COMPILE_TARGET` on for BOTH_COMPILED,
-    both off for the others; `loop.FUSED_EXTEND` off for a path ending in EAGER_EXTEND (all restored after)."""
-    saved = loop.COMPILE_DRAFTER, loop.COMPILE_TARGET, loop.FUSED_EXTEND
-    base = path.removesuffix(EAGER_EXTEND)
+    both off for the others; a LOOP_OPTIONS flag off for a path ending in its suffix, on otherwise (all restored
+    after)."""
+    flags = ["COMPILE_DRAFTER", "COMPILE_TARGET", *(flag for _, _, flag in LOOP_OPTIONS.values())]
+    saved = {flag: getattr(loop, flag) for flag in flags}
+    base = base_path(path)
     loop.COMPILE_DRAFTER, loop.COMPILE_TARGET = base in (COMPILED, BOTH_COMPILED), base == BOTH_COMPILED
-    loop.FUSED_EXTEND = not path.endswith(EAGER_EXTEND)
+    for suffix, (_, _, flag) in LOOP_OPTIONS.items():
+        setattr(loop, flag, not path.endswith(suffix))
     try:
         yield
     finally:
-        loop.COMPILE_DRAFTER, loop.COMPILE_TARGET, loop.FUSED_EXTEND = saved
+        for flag, value in saved.items():
+            setattr(loop, flag, value)
+
+
+def base_path(path: str) -> str:
+    """The path without its LOOP_OPTIONS suffix."""
+    for suffix in LOOP_OPTIONS:
+        path = path.removesuffix(suffix)
+    return path
 
 
 def decode_mode(path: str) -> str:
@@ -207,16 +234,21 @@ def decode_all(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompts: l
         out["compiled_target_agrees_with_static"] = {method: agreeing("static", BOTH_COMPILED, method)
                                                      for method in ("plain", "dflash")}
     for path in paths:
-        if path.endswith(EAGER_EXTEND):  # the fused extension against the eager one, on the same path otherwise
-            fused = path.removesuffix(EAGER_EXTEND)
-            out["fused_over_eager_extend"] = {
-                f"dflash_{measure}": out[fused]["dflash"][measure] / out[path]["dflash"][measure]
+        for suffix, (on, off, _) in LOOP_OPTIONS.items():
+            if not path.endswith(suffix):
+                continue
+            # the option against its absence, on the same path otherwise
+            with_option = path.removesuffix(suffix)
+            if suffix == EAGER_EXTEND and with_option + SERIAL_DRAFT in paths:
+                with_option += SERIAL_DRAFT  # the eager projection drafts after the read-back: so does the other
+            out[f"{on}_over_{off}"] = {
+                f"dflash_{measure}": out[with_option]["dflash"][measure] / out[path]["dflash"][measure]
                 for measure in ("tokens_per_second", "seconds_per_step")}
-            out["fused_agrees_with_eager_extend"] = agreeing(fused, path, "dflash")
+            out[f"{on}_agrees_with_{off}"] = agreeing(with_option, path, "dflash")
             # tokens agree whatever the drafter's context (greedy decoding is lossless); each step's acceptance
             # does only where the drafts do (bf16 kernels may still flip a near-tie)
-            out["fused_accepts_as_eager_extend"] = sum(
-                a.accepted == b.accepted for a, b in zip(runs[fused]["dflash"], runs[path]["dflash"]))
+            out[f"{on}_accepts_as_{off}"] = sum(
+                a.accepted == b.accepted for a, b in zip(runs[with_option]["dflash"], runs[path]["dflash"]))
     out["prompts"] = len(prompts)
     out["new_tokens"] = new_tokens
     return out
@@ -258,15 +290,16 @@ class PhaseTimer:
 @contextmanager
 def timing(timer: PhaseTimer, method: str) -> Iterator[None]:
     """Patch (for this benchmark only) the calls one step makes, so ``timer`` records them: speculative steps:
-    draft (`DraftRunner.draft_greedy`), verify (`TargetRunner.verify`), accept (`verify_greedy`, with its
-    read-back), extend (`DraftRunner.extend` of the accepted rows; the prefill's own extension is kept apart);
+    draft (`DraftRunner.draft_greedy`, `DraftRunner.draft_block_ahead`), verify (`TargetRunner.verify`), accept
+    (`greedy_record`), extend (`DraftRunner.extend` of the accepted rows; the prefill's own extension is kept apart);
     plain steps: forward (the one-token `TargetRunner.forward`) and pick (`pick_token`, with its read-back)."""
     from dflash.stage2_train import speculative as plain_module
 
     if method == "dflash":
         patches = [(loop.DraftRunner, "draft_greedy", "draft", None),
+                   (loop.DraftRunner, "draft_block_ahead", "draft", None),
                    (loop.TargetRunner, "verify", "verify", None),
-                   (loop, "verify_greedy", "accept", None),
+                   (loop, "greedy_record", "accept", None),
                    (loop.DraftRunner, "extend", "extend",
                     lambda _self, _features, count=None: "prefill_extend" if count is None else "extend")]
     else:
@@ -296,7 +329,7 @@ def phase_times(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompts: 
             with timing(timer, method):
                 for timer.generation, ids in enumerate(prompts):
                     decode(ids, new_tokens, path)
-            out[path][method] = timer.milliseconds("draft" if method == "dflash" else "forward")
+            out[path][method] = timer.milliseconds("verify" if method == "dflash" else "forward")
         out[path]["dflash_step_in_plain_steps"] = out[path]["dflash"]["step"] / out[path]["plain"]["step"]
     return out
 
@@ -318,8 +351,11 @@ def bench_smollm2(args: argparse.Namespace, device: torch.device) -> dict[str, A
     prompts = [tokenize_prompt(tokenizer, p.messages) for p in load_prompts("mtbench", args.prompts)]
     capacity = max(map(len, prompts)) + args.new_tokens + draft.block_size
     paths = (*bench_paths(args), BOTH_COMPILED) if args.compile_target else bench_paths(args)
+    fastest = paths[-1]
     if args.eager_extend:  # the fastest path again with the eager extension
-        paths = (*paths, paths[-1] + EAGER_EXTEND)
+        paths = (*paths, fastest + EAGER_EXTEND)
+    if args.serial_draft:  # and with the draft after the read-back
+        paths = (*paths, fastest + SERIAL_DRAFT)
     result = decode_all(target, draft, prompts, args.new_tokens, capacity, paths)
     if args.phases:
         fast = tuple(p for p in paths if p != "dynamic")
@@ -475,6 +511,9 @@ def main() -> None:
     parser.add_argument("--eager-extend", action="store_true",
                         help="part a: also run the last path with the verified block projected eagerly at extend "
                              "(modeling_dflash.FUSED_EXTEND off), beside the fused projection, in one run")
+    parser.add_argument("--serial-draft", action="store_true",
+                        help="part a: also run the last path with each block drafted after the acceptance's "
+                             "read-back (modeling_dflash.PIPELINED_DRAFT off), beside the pipelined draft, in one run")
     parser.add_argument("--phases", action="store_true",
                         help="part a: GPU ms per step of draft / verify / accept / extend and of the plain step "
                              "(CUDA only)")

@@ -171,14 +171,16 @@ stage "recipe bench done (exit $?)"
 best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["best"] or "")' "$BENCH/bench.json" 2>/dev/null)
 drafter=$BENCH/runs/$best$run_suffix/export_best
 if [ ! -f "$drafter/config.json" ]; then  # the best was trained elsewhere (RESULTS_FROM): the best trained here
-    drafter=$(python3 - "$BENCH" 2>/dev/null <<'PY'
+    # (at the first seed, as the best's own drafter above: runs of several seeds end in $run_suffix)
+    drafter=$(python3 - "$BENCH" "$run_suffix" 2>/dev/null <<'PY'
 import json, sys
 from pathlib import Path
-bench = Path(sys.argv[1])
+bench, suffix = Path(sys.argv[1]), sys.argv[2]
 rows = json.loads((bench / "bench.json").read_text()).get("results", []) if (bench / "bench.json").is_file() else []
 tau = {row["name"]: ((row.get("best_validation") or {}).get("tau") or 0.0) for row in rows if "name" in row}
-here = sorted(path.parent for path in (bench / "runs").glob("*/export_best/config.json"))
-print(max(here, key=lambda path: tau.get(path.parent.name, 0.0)) if here else "")
+here = sorted(path.parent for path in (bench / "runs").glob("*/export_best/config.json")
+              if path.parent.parent.name in tau and path.parent.parent.name.endswith(suffix))
+print(max(here, key=lambda path: tau[path.parent.name]) if here else "")
 PY
 )
     best=$(basename "$(dirname "$drafter")")

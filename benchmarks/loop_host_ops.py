@@ -4,14 +4,17 @@ a Python call and a kernel launch there).
 
 Counted on CPU (the static path without graphs runs the same code; a graphed forward is one replay on a GPU, so the
 operations inside `GraphedForward` calls count as one), with the embedded SmolLM2-135M-Instruct and a random-weight
-drafter of `dflash train`'s default shape, greedy, over --prompts MT-Bench prompts x --new-tokens tokens, with
-`modeling_dflash.FUSED_EXTEND` on and off:
+drafter of `dflash train`'s default shape, greedy, over --prompts MT-Bench prompts x --new-tokens tokens, in three
+versions of the loop: the extension eager and the draft after the read-back (before 2026-12-07;
+`modeling_dflash.FUSED_EXTEND` and `PIPELINED_DRAFT` off), the extension fused, and both (the default):
 
     python benchmarks/loop_host_ops.py [--prompts 2] [--new-tokens 64] --out FILE.json
 
 Reported per speculative step (after the prefill): eager operations outside graphed forwards, graphed forwards
-replayed, and the operations by name. A count, not a time: what it saves on a GPU is measured by
-`bench_eval_decode.py --eager-extend`.
+replayed, and the operations by name. A count, not a time: what each saves on a GPU is measured by
+`bench_eval_decode.py --eager-extend` and `--serial-draft` (the pipelined draft dispatches ~7 operations more a
+step, while the GPU verifies; what it moves is the read-back and the bookkeeping, which then run while the GPU
+drafts).
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ class HostOps(TorchDispatchMode):
 
 
 def count(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompts: list[list[int]], new_tokens: int,
-          fused: bool) -> dict[str, Any]:
-    saved, loop.FUSED_EXTEND = loop.FUSED_EXTEND, fused
+          fused: bool, pipelined: bool) -> dict[str, Any]:
+    saved = loop.FUSED_EXTEND, loop.PIPELINED_DRAFT
+    loop.FUSED_EXTEND, loop.PIPELINED_DRAFT = fused, pipelined
     embed = scaled_embedding(target.get_input_embeddings().weight, draft.embed_scale)
     head = target.get_output_embeddings().weight
     capacity = max(map(len, prompts)) + new_tokens + draft.block_size
@@ -89,8 +93,9 @@ def count(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompts: list[l
             replays += mode.replays - prefill_replays
     finally:
         loop.GraphedForward.__call__ = call  # type: ignore[method-assign]
-        loop.FUSED_EXTEND = saved
-    return {"fused_extend": fused, "steps": steps, "eager_ops_per_step": sum(stepping.values()) / steps,
+        loop.FUSED_EXTEND, loop.PIPELINED_DRAFT = saved
+    return {"fused_extend": fused, "pipelined_draft": pipelined, "steps": steps,
+            "eager_ops_per_step": sum(stepping.values()) / steps,
             "graph_replays_per_step": replays / steps,
             "ops_per_step": {name: n / steps for name, n in stepping.most_common()}}
 
@@ -111,13 +116,15 @@ def main() -> None:
     draft = random_drafter(target, len(tokenizer) - 1, torch.device("cpu"))
     prompts = [tokenize_prompt(tokenizer, p.messages) for p in load_prompts("mtbench", args.prompts)]
     with torch.inference_mode():
-        results = [count(target, draft, prompts, args.new_tokens, fused) for fused in (True, False)]
+        results = [count(target, draft, prompts, args.new_tokens, fused, pipelined)
+                   for fused, pipelined in ((False, False), (True, False), (True, True))]
     record = {"target": resolved.display_name, "prompts": args.prompts, "new_tokens": args.new_tokens,
               "torch": torch.__version__, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     for r in results:
-        print(f"FUSED_EXTEND={r['fused_extend']}: {r['eager_ops_per_step']:.1f} eager operations and "
+        print(f"FUSED_EXTEND={r['fused_extend']} PIPELINED_DRAFT={r['pipelined_draft']}: "
+              f"{r['eager_ops_per_step']:.1f} eager operations and "
               f"{r['graph_replays_per_step']:.1f} graphed forwards a step ({r['steps']} steps)")
     print(f"-> {args.out}")
 

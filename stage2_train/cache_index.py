@@ -316,6 +316,8 @@ class ShardStore:
             array = getattr(self, name)
             try:
                 held[name] = None if array is None else np.asarray(array[:])
+            except MemoryError:  # the machine's memory ran short (the budget is this process's): sample by sample
+                return
             except Exception as error:  # noqa: BLE001 - a checksum failure, a vanished chunk: name the array
                 raise ValueError(f"its {name} could not be read ({type(error).__name__}: {error})") from error
         for name, array in held.items():

@@ -47,12 +47,12 @@ The fast path (``decode="static"``, the default on CUDA): the target runs over a
 position back; the drafter keeps its projected context in a preallocated buffer and runs a fixed-shape block
 forward over it (rows past the context masked); the verify block, the one-token step of plain decoding, the
 drafter block and the prompt's forward in chunks of one width (`PREFILL_CHUNK`) are captured once as CUDA graphs
-(`GraphedForward`) and replayed; the greedy acceptance runs on the
-device with one read-back per step. The linear-attention layers of hybrid targets (Qwen3-Next, Qwen3.5) keep their
-conv and recurrent states in transformers' fixed-size `LinearAttentionLayer`s: `verify` copies them aside, and a
-rollback inside the block copies them back and feeds the kept tokens again through a graphed forward of that width
-(captured before the timing by `prewarm_rollbacks`); other stateful layers keep the dynamic path
-(`static_unsupported`). Where
+(`GraphedForward`) and replayed; the greedy acceptance runs on the device with one read-back per step, and the next
+block is drafted on the device (its anchor and start taken there from the acceptance) while the host waits for that
+read-back (`PIPELINED_DRAFT`). The linear-attention layers of hybrid targets (Qwen3-Next, Qwen3.5) keep their conv
+and recurrent states in transformers' fixed-size `LinearAttentionLayer`s: `verify` copies them aside, and a rollback
+inside the block copies them back and feeds the kept tokens again through a graphed forward of that width (captured
+before the timing by `prewarm_rollbacks`); other stateful layers keep the dynamic path (`static_unsupported`). Where
 graphs are captured, the drafter's block forward is compiled by torch.compile first (`COMPILE_DRAFTER`); the
 target's fixed-width forwards are compiled too only where `COMPILE_TARGET` asks for it (opt-in: `dflash eval
 --compile-target`, 2.2x plain decoding's tokens/s on an H100, docs/benchmarks.md).
@@ -1231,6 +1231,15 @@ COMPILE_DRAFTER: bool | None = None
 # benchmarks/bench_eval_decode.py --eager-extend compares in one run.
 FUSED_EXTEND = True
 
+# Whether the static path's greedy loop drafts the next block before the host has read back how many drafts the
+# target accepted (`DraftRunner.draft_block_ahead`): the block's anchor and start are taken on the device from the
+# acceptance (`greedy_record`), whose read-back (`HostReadBack`) is queued before the draft, so the host's share of a
+# step (the read-back, the bookkeeping, the next verify's launch: ~0.1 ms of a 2.22 ms step on an H100, the "accept",
+# "extend" and "other" phases of 2026-12-07) runs while the GPU drafts instead of between the GPU's forwards. Needs
+# the fused extension (the block forward projects the verified block). False (read at each step): the draft waits
+# for the read-back, as before; benchmarks/bench_eval_decode.py --serial-draft compares both in one run.
+PIPELINED_DRAFT = True
+
 
 class DraftRunner:
     """The drafter side of the loop: its context (projected once per new feature row) and one block proposal.
@@ -1238,7 +1247,8 @@ class DraftRunner:
     With ``capacity`` (the static path) the projected context lives in a preallocated buffer of that many rows and
     the block forward has a fixed shape (attention over the whole buffer, rows past the context masked), so it is
     replayed from a CUDA graph with ``graphs``; the greedy draft tokens are computed inside that forward, and so is
-    the projection of the last verified block's features (`extend`), with `FUSED_EXTEND`."""
+    the projection of the last verified block's features (`extend`, or `draft_block_ahead` with its anchor and start
+    taken on the device), with `FUSED_EXTEND`."""
 
     def __init__(self, draft: DFlashDraftModel, embed_weight: Tensor, lm_head_weight: Tensor,
                  embed_scale: float = 1.0, capacity: int | None = None, graphs: bool = False) -> None:
@@ -1264,7 +1274,8 @@ class DraftRunner:
             self._masks = torch.full((1, self.block_size - 1), self.mask_token_id, dtype=torch.long,
                                      device=embed_weight.device)
             # A verified block's features wait here until the next block forward projects them into the context at
-            # row `_pending_at` (`extend`); between blocks that row points at the next block's own rows, masked.
+            # row `_pending_at` (`extend`, `draft_block_ahead`); between blocks that row points at the next block's
+            # own rows, masked.
             self._pending = torch.zeros((1, self.block_size, draft.fc.in_features), dtype=self.dtype,
                                         device=self.device)
             self._pending_at = torch.zeros((), dtype=torch.long, device=self.device)
@@ -1422,6 +1433,43 @@ class DraftRunner:
         anchor = torch.tensor([bonus], device=self.lm_head_weight.device)
         return self._greedy(self.block_hidden(bonus, start)[0, 1:], anchor)
 
+    def draft_block(self, bonus: int, start: int) -> Tensor:
+        """The verify block [bonus, the block's greedy draft tokens] [B], left on the device."""
+        drafts = self.draft_greedy(bonus, start)
+        return torch.cat([drafts.new_full((1,), bonus), drafts])
+
+    def can_draft_ahead(self, verified_at: int) -> bool:
+        """Whether `draft_block_ahead` may draft the block after the one verified at ``verified_at``: the static
+        path with the fused extension, its context holding exactly the positions before that block, and room for the
+        next block wherever it starts (at most B positions later; its rows must lie inside the buffer, since the
+        device indexes them unchecked)."""
+        return (self.fused_extend and self.capacity is not None and self.length == verified_at
+                and verified_at + 2 * self.block_size <= self.capacity)
+
+    def draft_block_ahead(self, features: Tensor, verified_at: int, record: Tensor) -> Tensor:
+        """The next verify block [anchor, greedy draft tokens] [B] on the device, drafted before the host reads the
+        acceptance ``record`` (`greedy_record`) of the block verified at ``verified_at``: the block's anchor (the
+        target's argmax after the accepted drafts) and start (verified_at + accepted + 1) are read on the device, and
+        the verified block's ``features`` [1, B, n_layers * H] are projected into the context inside this block's
+        forward (the fused extension; rows past the accepted ones are masked and overwritten later). `advance` then
+        counts the accepted rows. Only where `can_draft_ahead`."""
+        assert self.context is not None and self.capacity is not None and self.fused_extend
+        self._write_pending()
+        self._pending.copy_(features)
+        self._pending_at.fill_(verified_at)
+        accepted = record[:1]
+        self._bonus.copy_(record.gather(0, accepted + 1).view(1, 1))
+        self._start.copy_(accepted[0] + (verified_at + 1))
+        drafts = self._block()[1]
+        return torch.cat([self._bonus.view(1).to(drafts.device), drafts])
+
+    def advance(self, verified_at: int, count: int) -> None:
+        """After `draft_block_ahead`: the context holds the ``count`` accepted rows of the block verified at
+        ``verified_at`` (`extend`'s bookkeeping; the block forward projected them)."""
+        if self.length != verified_at:
+            raise RuntimeError(f"drafter context holds {self.length} positions, expected {verified_at}")
+        self.length += count
+
     def logits(self, hidden: Tensor) -> Tensor:
         """float32 logits [..., V] of drafter hidden states [..., H] (the target's LM head)."""
         weight = self.lm_head_weight
@@ -1472,15 +1520,53 @@ def pick_token(logits: Tensor, temperature: float, generator: torch.Generator | 
     return int(_sample(torch.softmax(logits[None] / temperature, dim=-1), generator)[0])
 
 
-def verify_greedy(draft_tokens: Tensor, target_logits: Tensor) -> tuple[int, list[int]]:
-    """(accepted, emitted tokens): the longest prefix with d_k == the target's argmax at block position k - 1, then
-    the target's argmax there; the emitted tokens are the target's argmaxes at block positions 0..accepted (the
-    accepted drafts equal them). Computed on the device: one read-back of B + 1 integers."""
+def greedy_record(draft_tokens: Tensor, target_logits: Tensor) -> Tensor:
+    """On the device, [accepted, the target's argmax at each block position] (B + 1 integers): accepted is the length
+    of the longest prefix with d_k == the target's argmax at block position k - 1."""
     posterior = target_logits.argmax(-1)
     matches = draft_tokens.to(posterior.device) == posterior[: draft_tokens.shape[0]]
     accepted = matches.long().cumprod(0).sum()
-    values = torch.cat([accepted[None], posterior]).tolist()
-    return values[0], values[1: values[0] + 2]
+    return torch.cat([accepted[None], posterior])
+
+
+def greedy_outcome(record: list[int]) -> tuple[int, list[int]]:
+    """(accepted, emitted tokens) of a `greedy_record` read back: the emitted tokens are the target's argmaxes at
+    block positions 0..accepted (the accepted drafts equal them; the last is the target's own next token)."""
+    return record[0], record[1: record[0] + 2]
+
+
+def verify_greedy(draft_tokens: Tensor, target_logits: Tensor) -> tuple[int, list[int]]:
+    """(accepted, emitted tokens) of a verified block, computed on the device: one read-back of B + 1 integers."""
+    return greedy_outcome(greedy_record(draft_tokens, target_logits).tolist())
+
+
+class HostReadBack:
+    """Reads a small device tensor of integers (at most ``size``) without waiting for the work queued after it:
+    `start` queues its copy to the host (on CUDA into pinned memory, with an event after it on the stream of the
+    tensor's own device, which need not be the current one) and `values` waits for that event only, so work queued
+    between the two (the next block's draft) runs on the GPU while the host waits and reads. Elsewhere a plain
+    copy."""
+
+    def __init__(self, size: int) -> None:
+        self._host = torch.empty(size, dtype=torch.long)
+        self._event: torch.cuda.Event | None = None
+        self._size = 0
+
+    def start(self, values: Tensor) -> None:
+        self._size = int(values.numel())
+        if values.device.type != "cuda":
+            self._event = None
+            self._host[: self._size].copy_(values)
+            return
+        if self._event is None:  # (a generation's values stay on one device)
+            self._host, self._event = self._host.pin_memory(), torch.cuda.Event()
+        self._host[: self._size].copy_(values, non_blocking=True)
+        self._event.record(torch.cuda.current_stream(values.device))
+
+    def values(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host[: self._size].tolist()
 
 
 def verify_sampling(draft_tokens: list[int], draft_probs: Tensor, target_probs: Tensor,
@@ -1654,9 +1740,13 @@ def speculative_generate(
     needed = max(len(prompt) + max_new_tokens + draft.block_size, capacity)
     runner = target_runner(target, layer_ids, needed, decode, planned=capacity > 0)
     runner.compile_widths.add(draft.block_size)
-    drafter = draft_runner(draft, embed_weight, lm_head_weight, embed_scale, needed, decode, planned=capacity > 0)
+    # the drafter's context holds a block more: the block drafted ahead of a step's acceptance (`can_draft_ahead`)
+    drafter = draft_runner(draft, embed_weight, lm_head_weight, embed_scale, needed + draft.block_size, decode,
+                           planned=capacity > 0)
     tokens: list[int] = []
     accepted: list[int] = []
+    readback = HostReadBack(draft.block_size + 1)
+    ahead: Tensor | None = None  # the next verify block, drafted before this one's acceptance was read back
     with runner.hooked():
         runner.prewarm_rollbacks(draft.block_size)
         runner.prewarm_prefill()
@@ -1672,10 +1762,15 @@ def speculative_generate(
         done = bonus in stops or len(tokens) >= max_new_tokens
         while not done:
             if temperature <= 0:
-                draft_ids = drafter.draft_greedy(bonus, start)
-                block = torch.cat([draft_ids.new_full((1,), bonus), draft_ids]).to(runner.device)
+                block = ahead if ahead is not None else drafter.draft_block(bonus, start)
                 target_logits, features = runner.verify(block, start)
-                n_acc, emitted = verify_greedy(draft_ids, target_logits)
+                record = greedy_record(block[1:], target_logits)
+                readback.start(record)
+                assert features is not None
+                last = max_new_tokens - len(tokens) <= 1  # this step ends the generation, whatever it accepts
+                ahead = (drafter.draft_block_ahead(features, start, record)
+                         if PIPELINED_DRAFT and not last and drafter.can_draft_ahead(start) else None)
+                n_acc, emitted = greedy_outcome(readback.values())
             else:
                 draft_tokens, draft_probs = drafter.draft(bonus, start, temperature, generator)
                 target_logits, features = runner.verify([bonus, *draft_tokens], start)
@@ -1690,7 +1785,10 @@ def speculative_generate(
             if done:
                 break
             assert features is not None
-            drafter.extend(features, n_acc + 1)
+            if ahead is not None:
+                drafter.advance(start, n_acc + 1)
+            else:
+                drafter.extend(features, n_acc + 1)
             start += n_acc + 1
             runner.rollback(start)
             bonus = next_token

@@ -58,46 +58,55 @@ def tiny_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
     return target, bench_eval_decode.random_drafter(target, 499, torch.device("cpu"))
 
 
-def test_the_eager_extend_path_runs_the_loop_with_the_eager_extension_and_is_compared_to_the_fused_one(
-        tiny_pair: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--eager-extend`'s path: `decode_all` decodes it with `FUSED_EXTEND` off (and only it), its tokens are
-    compared with the fused path's, and the ratios are those of the two paths' own figures."""
+@pytest.mark.parametrize("suffix", list(bench_eval_decode.LOOP_OPTIONS))
+def test_a_loop_option_path_runs_the_loop_without_the_option_and_is_compared_to_the_path_with_it(
+        tiny_pair: tuple, suffix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--eager-extend`'s and `--serial-draft`'s paths: `decode_all` decodes them with their option's flag off (and
+    only them), their tokens and each step's acceptance are compared with the path's with the option, and the
+    ratios are those of the two paths' own figures."""
     target, draft = tiny_pair
-    fused_during: dict[str, set[bool]] = {}
+    on, off, flag = bench_eval_decode.LOOP_OPTIONS[suffix]
+    flag_during: dict[str, set[bool]] = {}
     speculative = bench_eval_decode.loop.speculative_generate
 
     def spy(*args: object, **kwargs: object) -> object:
-        fused_during.setdefault(str(kwargs["decode"]), set()).add(bench_eval_decode.loop.FUSED_EXTEND)
+        flag_during.setdefault(str(kwargs["decode"]), set()).add(getattr(bench_eval_decode.loop, flag))
         return speculative(*args, **kwargs)
 
     monkeypatch.setattr(bench_eval_decode.loop, "speculative_generate", spy)
-    eager = "static" + bench_eval_decode.EAGER_EXTEND
+    without = "static" + suffix
     prompts = [list(range(10, 30)), list(range(40, 52))]
-    out = bench_eval_decode.decode_all(target, draft, prompts, 24, 80, ("dynamic", "static", eager))
-    assert bench_eval_decode.loop.FUSED_EXTEND  # restored
-    assert fused_during == {"dynamic": {True}, "static": {True, False}}  # the static decode of both paths
-    assert out["fused_agrees_with_eager_extend"] == out["fused_accepts_as_eager_extend"] == len(prompts)
-    assert out[eager]["dflash"]["tokens"] == out["static"]["dflash"]["tokens"] == 2 * 24
-    ratio = out["fused_over_eager_extend"]
+    out = bench_eval_decode.decode_all(target, draft, prompts, 24, 80, ("dynamic", "static", without))
+    assert getattr(bench_eval_decode.loop, flag)  # restored
+    assert flag_during == {"dynamic": {True}, "static": {True, False}}  # the static decode of both paths
+    assert out[f"{on}_agrees_with_{off}"] == out[f"{on}_accepts_as_{off}"] == len(prompts)
+    assert out[without]["dflash"]["tokens"] == out["static"]["dflash"]["tokens"] == 2 * 24
+    ratio = out[f"{on}_over_{off}"]
     assert ratio["dflash_tokens_per_second"] == pytest.approx(
-        out["static"]["dflash"]["tokens_per_second"] / out[eager]["dflash"]["tokens_per_second"])
+        out["static"]["dflash"]["tokens_per_second"] / out[without]["dflash"]["tokens_per_second"])
     assert ratio["dflash_seconds_per_step"] == pytest.approx(
-        out["static"]["dflash"]["seconds_per_step"] / out[eager]["dflash"]["seconds_per_step"])
+        out["static"]["dflash"]["seconds_per_step"] / out[without]["dflash"]["seconds_per_step"])
 
 
 def test_the_fused_extension_leaves_the_projection_out_of_the_hosts_operations_a_step(tiny_pair: tuple) -> None:
     """benchmarks/loop_host_ops.py's count on a tiny target: with FUSED_EXTEND the drafter's context projection (a
     linear layer and an RMS norm) runs inside the graphed block forward, so none of its operations is dispatched
     eagerly a step; without it each step but a generation's last (which ends before extending) dispatches one of
-    each; both take two graphed forwards a step."""
+    each; both take two graphed forwards a step (the draft after the read-back), and the pipelined draft at most one
+    more a generation (a block drafted ahead of its last step, unused)."""
     import loop_host_ops
 
     target, draft = tiny_pair
     prompts = [list(range(10, 30)), list(range(40, 52))]
     with torch.inference_mode():
-        fused, eager = (loop_host_ops.count(target, draft, prompts, 12, f) for f in (True, False))
-    assert fused["steps"] == eager["steps"] > 0 and bench_eval_decode.loop.FUSED_EXTEND  # restored
+        fused, eager, pipelined = (loop_host_ops.count(target, draft, prompts, 12, f, p)
+                                   for f, p in ((True, False), (False, False), (True, True)))
+    loop = bench_eval_decode.loop
+    assert fused["steps"] == eager["steps"] == pipelined["steps"] > 0
+    assert loop.FUSED_EXTEND and loop.PIPELINED_DRAFT  # restored
     assert fused["graph_replays_per_step"] == eager["graph_replays_per_step"] == 2.0  # draft block, verify block
+    # (one block forward more where a generation's last step could still have left room for another)
+    assert 2.0 <= pipelined["graph_replays_per_step"] <= 2.0 + len(prompts) / pipelined["steps"]
     for name in ("linear", "rsqrt", "pow"):
         assert name not in fused["ops_per_step"]
         assert eager["ops_per_step"][name] * eager["steps"] == pytest.approx(eager["steps"] - len(prompts))

@@ -533,17 +533,24 @@ def test_the_gpu_driver_passes_each_variant_and_carried_results_and_packs_the_sm
     assert not any("checkpoints" in name or name.endswith(".safetensors") for name in names)
 
 
-def test_the_follow_ups_take_a_drafter_trained_here_when_the_best_was_carried(tmp_path: Path) -> None:
+@pytest.mark.parametrize("seeds", ["0", "0,1"])
+def test_the_follow_ups_take_a_drafter_trained_here_when_the_best_was_carried(tmp_path: Path, seeds: str) -> None:
     """With RESULTS_FROM the best variant may be one trained in an earlier session, whose drafter is not on this
-    machine: EVAL_DECODE then decodes with the best (by validation tau) of the drafters trained here, not nothing."""
+    machine: EVAL_DECODE then decodes with the best (by validation tau) of the drafters trained here, not nothing;
+    with several seeds, of those at the first seed (as the best's own drafter would be), whatever the others'."""
     stub, decode_stub = tmp_path / "stub.py", tmp_path / "decode.py"
-    stub.write_text(STUB + '''
-rows = [{"name": "carried", "best_validation": {"tau": 5.0}}, {"name": "aaa", "best_validation": {"tau": 3.0}},
-        {"name": "here", "best_validation": {"tau": 4.0}}]
-(out / "bench.json").write_text(json.dumps({"best": "carried", "results": rows}))
-for name in ("aaa", "here"):
+    suffix = "@s0" if "," in seeds else ""
+    stub.write_text(STUB + f'''
+suffix = {suffix!r}
+rows = [{{"name": "carried" + suffix, "best_validation": {{"tau": 5.0}}}},
+        {{"name": "aaa" + suffix, "best_validation": {{"tau": 3.0}}}},
+        {{"name": "here" + suffix, "best_validation": {{"tau": 4.0}}}}]
+if suffix:
+    rows.append({{"name": "aaa@s1", "best_validation": {{"tau": 4.5}}}})
+(out / "bench.json").write_text(json.dumps({{"best": "carried", "results": rows}}))
+for name in [row["name"] for row in rows if not row["name"].startswith("carried")]:
     (out / "runs" / name / "export_best").mkdir(parents=True)
-    (out / "runs" / name / "export_best" / "config.json").write_text("{}")
+    (out / "runs" / name / "export_best" / "config.json").write_text("{{}}")
 ''')
     decode_stub.write_text("import json, os, sys\nopen(os.environ['STUB_DECODE'], 'w').write(json.dumps(sys.argv[1:]))\n")
     work, out = tmp_path / "work", tmp_path / "out"
@@ -552,13 +559,13 @@ for name in ("aaa", "here"):
     env = {**os.environ, "STUB_CALLS": str(tmp_path / "calls.json"), "STUB_DECODE": str(tmp_path / "decode.json"),
            "RECIPE_BENCH": f"{sys.executable} {stub}", "BENCH_EVAL_DECODE": f"{sys.executable} {decode_stub}",
            "OUT": str(out), "WORK": str(work), "SITE": str(tmp_path / "site"),
-           "VARIANTS": "carried=;aaa=--lr 5e-4;here=--lr 2e-3",
+           "VARIANTS": "carried=;aaa=--lr 5e-4;here=--lr 2e-3", "SEEDS": seeds,
            "EVAL_DECODE": "1", "EVAL_DECODE_FLAGS": "--prompts 3 --eager-extend"}
     result = subprocess.run(["bash", "benchmarks/gpu_recipe_bench.sh"], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     args = json.loads((tmp_path / "decode.json").read_text())
-    assert args[args.index("--draft") + 1] == str(out / "bench" / "runs" / "here" / "export_best")
+    assert args[args.index("--draft") + 1] == str(out / "bench" / "runs" / f"here{suffix}" / "export_best")
     assert args[-3:] == ["--prompts", "3", "--eager-extend"]
     assert "eval decode bench (exit 0)" in (out / "recipe_bench_stages.tsv").read_text()
 

@@ -207,19 +207,24 @@ def test_hybrid_static_rollback_reaches_back_to_the_last_block_only(targets: dic
     torch.testing.assert_close(again, first)
 
 
+@pytest.mark.parametrize("pipelined", [True, False])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", *HYBRIDS])
-def test_partly_accepted_blocks_stay_lossless_on_the_static_path(targets: dict, family: str,
+def test_partly_accepted_blocks_stay_lossless_on_the_static_path(targets: dict, family: str, pipelined: bool,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Drafts = the target's own greedy continuation with one wrong token at a varying offset (or none), so blocks
-    are accepted in part, in full and not at all; the static drafter still runs each step. Tokens equal plain
-    decoding, tau follows the planted errors, and the static drafter's buffered context equals the dynamic one's."""
+    are accepted in part, in full and not at all; the static drafter still runs each step, each block drafted
+    ahead of the acceptance's read-back (`PIPELINED_DRAFT`) or after it. Tokens equal plain decoding and tau follows
+    the planted errors."""
     target = targets[family]
     draft = drafter(target, "dflash")
     prompt = list(range(300, 320))
     reference = spec.greedy_generate(target, prompt, 40 + BLOCK, []).tokens
-    result, planted = decode_with_planted_drafts(target, draft, prompt, reference, "static", monkeypatch)
+    monkeypatch.setattr(loop, "PIPELINED_DRAFT", pipelined)
+    result, planted, ahead = decode_with_planted_drafts(target, draft, prompt, reference, "static", monkeypatch)
     assert result.decode.startswith("static") and result.tokens == reference[:40]
     assert result.accepted[:-1] == planted[:-1]
+    steps = len(result.accepted)  # every step's next block drafted ahead (the last step's, unused, where it had room)
+    assert steps - 1 <= ahead <= steps if pipelined else ahead == 0
 
 
 PLANTED_ERRORS = [2, None, 1, 3, 2, None]  # per step: the first wrong draft (1..BLOCK - 1), or None (all right)
@@ -227,28 +232,43 @@ PLANTED_ERRORS = [2, None, 1, 3, 2, None]  # per step: the first wrong draft (1.
 
 def decode_with_planted_drafts(target: torch.nn.Module, draft: loop.DFlashDraftModel, prompt: list[int],
                                reference: list[int], decode: str,
-                               monkeypatch: pytest.MonkeyPatch) -> tuple[loop.SpecResult, list[int]]:
+                               monkeypatch: pytest.MonkeyPatch) -> tuple[loop.SpecResult, list[int], int]:
     """Speculative decoding of 40 tokens whose drafts are the target's own greedy continuation (``reference``) with
     one wrong token at PLANTED_ERRORS' offsets (the drafter still runs each step); returns the result and the
-    accepted count each step should have."""
-    steps = [0]
-    original = loop.DraftRunner.draft_greedy
+    accepted count each step should have, and how many blocks were drafted ahead. A block drafted ahead
+    (`PIPELINED_DRAFT`, the static path) is checked to start where the host's count of the accepted tokens says,
+    with the target's next token as its anchor."""
+    steps, ahead = [0], [0]
+    original, original_ahead = loop.DraftRunner.draft_greedy, loop.DraftRunner.draft_block_ahead
 
-    def oracle(self: loop.DraftRunner, bonus: int, start: int) -> torch.Tensor:
-        proposed = original(self, bonus, start)
+    def planted_drafts(start: int) -> list[int]:
         offset = PLANTED_ERRORS[steps[0] % len(PLANTED_ERRORS)]
         steps[0] += 1
         drafts = [reference[start - len(prompt) + k] for k in range(1, BLOCK)]
         if offset is not None:
             drafts[offset - 1] += 1
-        return torch.tensor(drafts, device=proposed.device)
+        return drafts
+
+    def oracle(self: loop.DraftRunner, bonus: int, start: int) -> torch.Tensor:
+        proposed = original(self, bonus, start)
+        return torch.tensor(planted_drafts(start), device=proposed.device)
+
+    def oracle_ahead(self: loop.DraftRunner, features: torch.Tensor, verified_at: int,
+                     record: torch.Tensor) -> torch.Tensor:
+        proposed = original_ahead(self, features, verified_at, record)
+        ahead[0] += 1
+        accepted, emitted = loop.greedy_outcome(record.tolist())
+        start = verified_at + accepted + 1
+        assert int(self._start) == start and proposed[0].item() == emitted[-1] == reference[start - len(prompt)]
+        return torch.tensor([emitted[-1], *planted_drafts(start)], device=proposed.device)
 
     monkeypatch.setattr(loop.DraftRunner, "draft_greedy", oracle)
+    monkeypatch.setattr(loop.DraftRunner, "draft_block_ahead", oracle_ahead)
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     result = loop.speculative_generate(target, draft, embed, head, prompt, LAYER_IDS, 40, [], decode=decode)
     monkeypatch.undo()
     planted = [(PLANTED_ERRORS[i % len(PLANTED_ERRORS)] or BLOCK) - 1 for i in range(len(result.accepted))]
-    return result, planted
+    return result, planted, ahead[0]
 
 
 @pytest.mark.parametrize("family", ["llama", *HYBRIDS])
@@ -314,6 +334,20 @@ def test_static_drafter_context_equals_the_dynamic_one(targets: dict) -> None:
         assert static.draft_greedy(77, 19).tolist() == dynamic.draft_greedy(77, 19).tolist()
 
 
+def drafter_with_features(target: torch.nn.Module, architecture: str, seed: int) -> tuple:
+    """(drafter with scaled weights whose drafts vary, the target's embedding and head, random target features of
+    40 positions) for the drafter runners' tests."""
+    from tests.stage2_train.test_compiled_drafter import scaled
+
+    draft = scaled(drafter(target, architecture), 0)
+    if architecture == "dflash2":
+        randomise_added_parts(draft, 0)
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    features = torch.randn(1, 40, len(LAYER_IDS) * target.config.hidden_size,
+                           generator=torch.Generator().manual_seed(seed))
+    return draft, embed, head, features
+
+
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
 def test_fused_extension_drafts_as_the_eager_one_and_the_dynamic_runner(targets: dict, architecture: str,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -322,15 +356,7 @@ def test_fused_extension_drafts_as_the_eager_one_and_the_dynamic_runner(targets:
     runner (the second shorter than the first, so rows the first wrote lie in its masked tail; the third exactly a
     block long, so its own prefill takes the pending path), extensions keeping 1..BLOCK tokens, and two block
     extensions in a row (the first is then projected eagerly)."""
-    from tests.stage2_train.test_compiled_drafter import scaled
-
-    target = targets["llama"]
-    draft = scaled(drafter(target, architecture), 0)
-    if architecture == "dflash2":
-        randomise_added_parts(draft, 0)
-    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    features = torch.randn(1, 40, len(LAYER_IDS) * target.config.hidden_size,
-                           generator=torch.Generator().manual_seed(5))
+    draft, embed, head, features = drafter_with_features(targets["llama"], architecture, 5)
 
     def decode(runner: loop.DraftRunner) -> list[tuple[list[int], torch.Tensor]]:
         out = []
@@ -359,6 +385,63 @@ def test_fused_extension_drafts_as_the_eager_one_and_the_dynamic_runner(targets:
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same rows projected by the same modules
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
     assert len({token for tokens, _ in dynamic for token in tokens}) > 1  # not one repeated token
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_a_block_drafted_ahead_drafts_as_the_loop_that_waits_for_the_acceptance(targets: dict,
+                                                                              architecture: str) -> None:
+    """`draft_block_ahead` (the next block's anchor and start taken on the device from an acceptance record, the
+    verified block projected inside its forward) and `advance` give the drafts and hidden states of `extend` then
+    `draft_greedy` with the anchor and start read back: three prompts on one runner, blocks kept in part and whole."""
+    draft, embed, head, features = drafter_with_features(targets["llama"], architecture, 6)
+    serial = loop.DraftRunner(draft, embed, head, capacity=64)
+    ahead = loop.DraftRunner(draft, embed, head, capacity=64)
+    compared = 0
+    with torch.inference_mode():
+        for prompt, keeps in ((13, (2, 4, 1, 3)), (6, (4, 1)), (BLOCK, (3, 2))):
+            for runner in (serial, ahead):
+                runner.reset()
+                runner.extend(features[:, :prompt])
+            start, bonus = prompt, 7
+            assert ahead.draft_greedy(bonus, start).tolist() == serial.draft_greedy(bonus, start).tolist()
+            for step, keep in enumerate(keeps):
+                verified = features[:, start:start + BLOCK]
+                next_bonus = 11 + 100 * step
+                posterior = [20 + k for k in range(BLOCK)]
+                posterior[keep - 1] = next_bonus  # the target's token after the keep - 1 accepted drafts
+                assert ahead.can_draft_ahead(start)
+                block = ahead.draft_block_ahead(verified, start, torch.tensor([keep - 1, *posterior]))
+                ahead.advance(start, keep)
+                serial.extend(verified, keep)
+                start += keep
+                assert block.tolist() == [next_bonus, *serial.draft_greedy(next_bonus, start).tolist()]
+                assert int(ahead._start) == start and ahead.context_length == serial.context_length == start
+                torch.testing.assert_close(ahead.block_hidden(next_bonus, start),
+                                           serial.block_hidden(next_bonus, start), rtol=0, atol=0)
+                compared += 1
+    assert compared == 8
+
+
+def test_a_generation_that_stops_drafting_ahead_midway_stays_lossless(targets: dict,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that cannot draft ahead (`can_draft_ahead` false: near the end of the drafter's buffer) after steps
+    that did (the block verified was drafted ahead; its context rows counted by `advance`) continues with `extend`:
+    the tokens and each step's acceptance equal the loop's that never drafts ahead and the dynamic path's."""
+    target = targets["llama"]
+    draft = drafter(target, "dflash")
+    prompt = list(range(300, 320))
+    reference = spec.greedy_generate(target, prompt, 40 + BLOCK, []).tokens
+    allowed = loop.DraftRunner.can_draft_ahead
+    calls = [0]
+
+    def now_and_then(self: loop.DraftRunner, verified_at: int) -> bool:
+        calls[0] += 1
+        return calls[0] % 3 != 0 and allowed(self, verified_at)  # every third step after the read-back
+
+    monkeypatch.setattr(loop.DraftRunner, "can_draft_ahead", now_and_then)
+    mixed, planted, ahead = decode_with_planted_drafts(target, draft, prompt, reference, "static", monkeypatch)
+    assert mixed.tokens == reference[:40] and mixed.accepted[:-1] == planted[:-1]
+    assert 0 < ahead < len(mixed.accepted)
 
 
 @contextmanager
@@ -466,7 +549,7 @@ def test_hybrid_targets_decode_through_cuda_graphs_as_the_dynamic_path(tmp_path:
     # Blocks accepted in part, in full and not at all: the kept lengths 1..BLOCK - 1 replayed from their graphs.
     prompt = list(range(300, 320))
     reference = spec.greedy_generate(target, prompt, 40 + BLOCK, [], decode="dynamic").tokens
-    result, planted = decode_with_planted_drafts(target, draft, prompt, reference, "auto", pytest.MonkeyPatch())
+    result, planted, _ = decode_with_planted_drafts(target, draft, prompt, reference, "auto", pytest.MonkeyPatch())
     assert result.decode.startswith("static+cuda-graphs") and result.tokens == reference[:40]
     assert result.accepted[:-1] == planted[:-1]
 

@@ -760,6 +760,27 @@ def test_side_arrays_held_within_the_budget_give_the_batches_read_sample_by_samp
     assert cache_index._side_bytes_held[0] == before
 
 
+def test_side_arrays_that_run_out_of_memory_are_read_sample_by_sample(
+        cache: Path, epoch_plan: list[list[Sample]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store whose side arrays cannot be read whole for want of memory (the budget is one process's; the machine
+    is shared) reads them sample by sample, with the same batches, instead of reporting the shard as damaged."""
+    import zarr
+
+    options = {"epoch": 0, "seed": 1, "rule": AnchorRule(None, 8, 4), "bucket_multiple": PAD}
+    batches = collect(CacheBatches(cache, epoch_plan, **options), 0)
+    read = zarr.Array.__getitem__
+
+    def short_of_memory(self: zarr.Array, selection: object) -> object:
+        if self.basename == "loss_mask" and selection == slice(None):  # the whole array, not a sample's rows
+            raise MemoryError
+        return read(self, selection)
+
+    monkeypatch.setattr(zarr.Array, "__getitem__", short_of_memory)
+    short = CacheBatches(cache, epoch_plan, **options)
+    assert all(same_batch(a, b) for a, b in zip(collect(short, 0), batches)) and len(batches) == len(epoch_plan)
+    assert short._stores and not any(isinstance(s.input_ids, np.ndarray) for s in short._stores.values())
+
+
 # ---------------------------------------------------------------------------------------------- anchors
 
 
