@@ -300,8 +300,9 @@ def timing(timer: PhaseTimer, method: str) -> Iterator[None]:
                    (loop.DraftRunner, "draft_block_ahead", "draft", None),
                    (loop.TargetRunner, "verify", "verify", None),
                    (loop, "greedy_record", "accept", None),
-                   (loop.DraftRunner, "extend", "extend",
-                    lambda _self, _features, count=None: "prefill_extend" if count is None else "extend")]
+                   (loop.DraftRunner, "extend", "extend",  # (count 0: the staging inside draft_block_ahead)
+                    lambda _self, _features, count=None: "prefill_extend" if count is None else
+                    "extend" if count else None)]
     else:
         patches = [(loop.TargetRunner, "forward", "forward",
                     lambda _self, ids, _start, last_only=False: "forward" if len(ids) == 1 else None),

@@ -1381,8 +1381,12 @@ class DraftRunner:
             raise RuntimeError(f"the drafter context holds {self.capacity} rows; {start + self.block_size} needed")
         self._bonus.fill_(bonus)
         self._start.fill_(start)
+        return self._replay()
+
+    def _replay(self) -> tuple[Tensor, Tensor]:
+        """The block forward at the anchor and start set on the device (`_block`), which writes the pending rows."""
         outputs = self._block()
-        self._pending_row = None  # the block forward wrote the pending rows
+        self._pending_row = None
         return outputs
 
     def _static_block(self) -> tuple[Tensor, Tensor]:
@@ -1454,13 +1458,11 @@ class DraftRunner:
         forward (the fused extension; rows past the accepted ones are masked and overwritten later). `advance` then
         counts the accepted rows. Only where `can_draft_ahead`."""
         assert self.context is not None and self.capacity is not None and self.fused_extend
-        self._write_pending()
-        self._pending.copy_(features)
-        self._pending_at.fill_(verified_at)
+        self.extend(features, 0)  # pending at row verified_at, for this block's forward; no row counted yet
         accepted = record[:1]
         self._bonus.copy_(record.gather(0, accepted + 1).view(1, 1))
         self._start.copy_(accepted[0] + (verified_at + 1))
-        drafts = self._block()[1]
+        drafts = self._replay()[1]
         return torch.cat([self._bonus.view(1).to(drafts.device), drafts])
 
     def advance(self, verified_at: int, count: int) -> None:
