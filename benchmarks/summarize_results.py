@@ -106,6 +106,8 @@ def training_run(records: list[dict], log: str | None) -> dict[str, Any]:
             run["elapsed_s"] = last["elapsed_s"]
             run["steps_per_s"] = last["step"] / last["elapsed_s"]
         run["loss_mean_last_20_steps"] = _mean([r["loss"] for r in steps[-20:]])
+        if all("step_s" in r for r in steps):
+            run["step_time"] = step_time(steps, [r["step"] for r in evals])
     if evals:
         sequences = {r.get("eval/sequences") for r in evals}
         run["eval"] = {
@@ -126,6 +128,28 @@ def training_run(records: list[dict], log: str | None) -> dict[str, Any]:
     if tests:
         run["test"] = {k: v for k, v in tests[-1].items() if not isinstance(v, list)}
     return run
+
+
+UNTIMED_STEPS = 50  # as benchmarks/recipe_bench.py: the first steps hold the warm-up and the compilation
+
+
+def step_time(steps: list[dict], eval_steps: list[int]) -> dict[str, Any]:
+    """From each step's own `step_s` (evaluations excluded): the first UNTIMED_STEPS steps' sum, the mean and median
+    step after them, and the training seconds spent by each evaluated step (the sum of every step's time up to it,
+    compilation included), which puts runs of different step costs on one time axis."""
+    timed = [r["step_s"] for r in steps if r["step"] > UNTIMED_STEPS]
+    spent, train_s_at = 0.0, {}
+    for r in steps:
+        spent += r["step_s"]
+        train_s_at[r["step"]] = spent
+    out: dict[str, Any] = {"untimed_steps": UNTIMED_STEPS,
+                           "untimed_s": sum(r["step_s"] for r in steps if r["step"] <= UNTIMED_STEPS),
+                           "train_s": spent}
+    if timed:
+        out["timed_mean_s"] = statistics.fmean(timed)
+        out["timed_median_s"] = statistics.median(timed)
+    out["train_s_at_eval"] = [[step, train_s_at.get(step, 0.0)] for step in eval_steps]
+    return out
 
 
 EVAL_LINE = re.compile(r"eval step (\d+): tau ([\d.]+)(?: \+- ([\d.]+))? \(walk(?:, (\d+) \w+ sequences)?")

@@ -115,3 +115,21 @@ def test_a_resumed_generation_counts_each_processs_first_batch_of_a_length_apart
                                "first_batches_s": 16.0}
     assert batches["512"] == {"batches": 0, "new_tokens": 0, "seconds": 0.0, "tokens_per_s_of_batch_time": None,
                               "first_batches_s": 8.0}
+
+
+def test_step_time_puts_each_evaluation_on_the_training_time_axis() -> None:
+    """Runs of different step costs compare at equal training time: each evaluated step's seconds are the sum of
+    every step's own time up to it; the first steps (compilation) count there, not in the timed mean."""
+    steps = [{"step": s, "loss": 1.0, "step_s": 10.0 if s <= summarize_results.UNTIMED_STEPS else 0.5 + (s % 2)}
+             for s in range(1, 101)]
+    records = [{"step": 0, "eval/tau_walk": 1.0}, *steps[:60], {"step": 60, "eval/tau_walk": 1.4}, *steps[60:],
+               {"step": 100, "eval/tau_walk": 1.9}]
+    time = summarize_results.training_run(records, None)["step_time"]
+    later = [0.5 + (s % 2) for s in range(51, 101)]
+    assert time["untimed_s"] == pytest.approx(500.0)
+    assert time["timed_mean_s"] == pytest.approx(sum(later) / len(later))
+    assert time["timed_median_s"] == pytest.approx(1.0)
+    assert time["train_s"] == pytest.approx(500.0 + sum(later))
+    assert time["train_s_at_eval"] == [[0, 0.0], [60, pytest.approx(500.0 + sum(later[:10]))],
+                                       [100, pytest.approx(time["train_s"])]]
+    assert "step_time" not in summarize_results.training_run([{"step": 1, "loss": 1.0}], None)
