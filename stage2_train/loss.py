@@ -394,7 +394,35 @@ def block_loss(
     return loss, stats
 
 
-SELECTOR_CHUNK_ROWS = 2048  # positions per chunk of the selector loss (its candidates' head rows are recomputed)
+# Positions per chunk of the selector loss (its candidates' head rows, [rows, k, H], are recomputed in backward) on
+# the CPU, and the fewest anywhere. On CUDA as many as keep those head rows within CUDA_CHUNK_BYTES
+# (`selector_chunk_rows`): a chunk is ~150 eager operations, forward, recomputation and backward (counted on the
+# CPU, 2026-12-07), and at 2,048 rows the SmolLM2 DFlash 2 step (~24,900 positions, 13 chunks) dispatched ~2,000 of
+# its ~2,700 eager operations there, on an H100 step that is host-bound; 28,672 rows (one chunk) for k = 32 and
+# H = 576 in bf16.
+SELECTOR_CHUNK_ROWS = 2048
+
+
+def selector_chunk_rows(top_k: int, hidden_size: int, device_type: str, element_bytes: int = 2) -> int:
+    """Positions the selector loss takes at a time on a device of `device_type` (see SELECTOR_CHUNK_ROWS): a
+    multiple of SELECTOR_CHUNK_ROWS, at least it."""
+    if device_type != "cuda":
+        return SELECTOR_CHUNK_ROWS
+    rows = CUDA_CHUNK_BYTES // (top_k * hidden_size * element_bytes) // SELECTOR_CHUNK_ROWS * SELECTOR_CHUNK_ROWS
+    return max(SELECTOR_CHUNK_ROWS, rows)
+
+
+def selector_positions(labels: Tensor, block_ids: Tensor) -> Tensor:
+    """The flat positions of labels [..., N, Bk] that the selector loss scores, ascending: supervised, at a block
+    offset >= 1, with a known predecessor (the block's anchor, block_ids [..., N, Bk] at offset 0, for offset 1;
+    else the previous position's label). The trainer's loader builds them on the CPU with the labels
+    (`packed_batches.packed_step_inputs`), so that the loss need not wait for the device to find them."""
+    block = labels.shape[-1]
+    labels = labels.reshape(-1, block)
+    predecessors = torch.cat([block_ids.reshape(-1, block)[:, :1], labels[:, 1:-1]], dim=1)
+    scored = torch.zeros_like(labels, dtype=torch.bool)
+    scored[:, 1:] = (labels[:, 1:] != IGNORE_INDEX) & (predecessors != IGNORE_INDEX)
+    return scored.reshape(-1).nonzero(as_tuple=True)[0]
 
 
 def selector_loss(
@@ -408,7 +436,8 @@ def selector_loss(
     global_weight_sum: Tensor | float,
     *,
     missing: str,
-    chunk_rows: int = SELECTOR_CHUNK_ROWS,
+    chunk_rows: int | None = None,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DFlash 2's path-selector loss of one micro-batch: cross-entropy over the k candidates of S_t(y_{t-1}, .),
     with the true previous token as predecessor (the anchor at offset 1), under the block loss's position weights
@@ -424,22 +453,30 @@ def selector_loss(
     puts it in place of the last candidate (SpecForge, vLLM speculators and ModelOpt do so), ``drop`` leaves the
     position out (NeMo Automodel); either way `candidate_hits` / `candidate_positions` give the candidate recall.
     U_t (the candidates' logits) keeps its gradient: the selector loss also trains the drafter's logits. Memory:
-    chunks of `chunk_rows` positions, each recomputed in backward (`checkpoint`), so only the chunk's [rows, k, H]
-    head rows live at a time.
+    chunks of `chunk_rows` positions (default `selector_chunk_rows` for the device), each recomputed in backward
+    (`checkpoint`), so only the chunk's [rows, k, H] head rows live at a time. ``positions``: the flat positions of
+    ``labels`` it scores (`selector_positions`), when the caller has them; else it finds them on the device, which
+    makes the host wait for it.
     """
     from torch.utils.checkpoint import checkpoint
 
     if missing not in SELECTOR_MISSING:
         raise ValueError(f"missing={missing!r}: choose one of {SELECTOR_MISSING}")
-    block_size = labels.shape[-1]
-    hidden = hidden.reshape(-1, block_size, hidden.shape[-1])[:, 1:]
-    truth = labels.reshape(-1, block_size)[:, 1:]
-    predecessor = torch.cat([block_ids.reshape(-1, block_size)[:, :1], truth[:, :-1]], dim=1)
-    valid = (truth != IGNORE_INDEX) & (predecessor != IGNORE_INDEX)
-    rows_hidden, rows_truth, rows_pred = hidden[valid], truth[valid], predecessor[valid]
-    rows_candidates = candidates.reshape(-1, block_size, candidates.shape[-1])[:, 1:][valid]
-    row_weights = weights[1:].to(hidden.device).expand_as(truth)[valid].float()
+    device, block_size = hidden.device, labels.shape[-1]
     head = lm_head_weight.detach()
+    if chunk_rows is None:
+        chunk_rows = selector_chunk_rows(candidates.shape[-1], hidden.shape[-1], device.type, head.element_size())
+    # Every row gathered by index, none by a boolean mask: the row count is the index's length, known on the host,
+    # so nothing here waits for the device.
+    positions = (selector_positions(labels, block_ids) if positions is None else positions).to(device)
+    offsets = positions % block_size
+    flat_labels, flat_block_ids = labels.reshape(-1).to(device), block_ids.reshape(-1).to(device)
+    rows_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)  # autograd scatters back
+    rows_truth = flat_labels.index_select(0, positions)
+    before = positions - 1  # the predecessor: the anchor (block input at offset 0) at offset 1, else the label before
+    rows_pred = torch.where(offsets == 1, flat_block_ids.index_select(0, before), flat_labels.index_select(0, before))
+    rows_candidates = candidates.reshape(-1, candidates.shape[-1]).to(device).index_select(0, positions)
+    row_weights = weights.to(device=device, dtype=torch.float32)[offsets]
 
     def chunk_loss(h: Tensor, y: Tensor, a: Tensor, c: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
         hit = c == y[:, None]
@@ -457,7 +494,7 @@ def selector_loss(
         return (w * ce * keep).sum(), found.sum()
 
     total = hidden.new_zeros((), dtype=torch.float32)
-    hits = torch.zeros((), dtype=torch.long, device=hidden.device)
+    hits = torch.zeros((), dtype=torch.long, device=device)
     for start in range(0, rows_hidden.shape[0], chunk_rows):
         part = slice(start, start + chunk_rows)
         args = (rows_hidden[part], rows_truth[part], rows_pred[part], rows_candidates[part], row_weights[part])
@@ -467,5 +504,6 @@ def selector_loss(
         hits = hits + found
     denominator = torch.as_tensor(global_weight_sum, dtype=torch.float32, device=total.device)
     loss = total / denominator.clamp_min(torch.finfo(torch.float32).tiny)
+    # (a fill on the device, not a copy of a host number: that would wait for the stream)
     return loss, {"candidate_hits": hits.detach(),
-                  "candidate_positions": torch.tensor(rows_hidden.shape[0], device=hidden.device)}
+                  "candidate_positions": torch.full((), rows_hidden.shape[0], dtype=torch.long, device=device)}

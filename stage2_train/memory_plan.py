@@ -26,7 +26,7 @@ import numpy as np
 from dflash.shared.cgroups import cgroup_free_bytes
 from dflash.shared.errors import UserError
 from dflash.stage2_train.attention_masks import MAX_PACKED_COPIES_RATIO
-from dflash.stage2_train.loss import SELECTOR_CHUNK_ROWS, chunk_rows
+from dflash.stage2_train.loss import chunk_rows, selector_chunk_rows
 
 SAFETY = 1.25  # the estimate is multiplied by this before it is compared with the limit
 CPU_HEADROOM_BYTES = 1 << 30  # left free on a CPU machine for the loader workers' interpreters and the page cache
@@ -49,6 +49,7 @@ class DrafterShape:
     element_bytes: int  # the compute dtype's (4: float32 on CPU, 2: bf16 under mixed precision)
     trainable_params: int
     loss_chunk: int = 1024  # rows of the loss's chunks (`loss.chunk_rows`)
+    selector_chunk: int = 2048  # DFlash 2: positions of the selector loss's chunks (`loss.selector_chunk_rows`)
     conv_kernel: int = 0  # DFlash 2: taps of the convolution around each sublayer (0: a DFlash drafter)
     selector_top_k: int = 0  # DFlash 2: the path selector's candidates per position
     # CUDA: the stored features copied on the side stream (`trainer.stored_features`) that may be alive beside
@@ -64,7 +65,10 @@ class DrafterShape:
                    trainable_params=trainable_params,  # DFlash 2's codebooks ([V, r] each) are counted here
                    conv_kernel=int((config.dflash_config or {}).get("conv_kernel_size", 0)),
                    selector_top_k=int((config.dflash_config or {}).get("selector_top_k", 0)),
-                   loss_chunk=chunk_rows(config.vocab_size, device_type))
+                   loss_chunk=chunk_rows(config.vocab_size, device_type),
+                   selector_chunk=selector_chunk_rows(
+                       int((config.dflash_config or {}).get("selector_top_k", 0)) or 1, config.hidden_size,
+                       device_type, element_bytes))
 
 
 def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:
@@ -94,8 +98,9 @@ def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:
     # uncompiled cross-entropy in bf16, 8 for KL).
     logit_bytes = b + fp32 + (fp32 if b < fp32 else 0)
     loss = shape.loss_chunk * shape.vocab * logit_bytes + 2 * q * h * fp32
-    # DFlash 2's selector loss: one chunk's logits (for the candidates) and its candidates' head rows at a time.
-    selector = SELECTOR_CHUNK_ROWS * (shape.vocab * fp32 + 2 * shape.selector_top_k * h * b) if shape.conv_kernel else 0
+    # DFlash 2's selector loss: one chunk's candidates' head rows [rows, k, H] at a time, twice (the rows and a
+    # temporary of their size); its candidates come from the block loss's logits, so it builds none of its own.
+    selector = shape.selector_chunk * 2 * shape.selector_top_k * h * b if shape.conv_kernel else 0
     return context + shape.layers * per_layer + per_layer + loss + selector  # + one layer's gradients in backward
 
 

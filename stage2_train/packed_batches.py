@@ -31,7 +31,7 @@ from dflash.shared.feature_codecs import manifest_codec
 from dflash.stage2_train.attention_masks import PackedLayout
 from dflash.stage2_train.cache_index import Sample, ShardStore, check_seed, shard_error
 from dflash.stage2_train.epoch_plan import AnchorRule, sample_anchors
-from dflash.stage2_train.loss import IGNORE_INDEX, supervised_index
+from dflash.stage2_train.loss import IGNORE_INDEX, selector_positions, supervised_index
 from dflash.stage2_train.shape_buckets import DEFAULT_BUCKET_MULTIPLE, bucket
 
 # The key of a packed batch's `packed_step_inputs`, where `CacheBatches` was given the block size and mask token.
@@ -325,12 +325,14 @@ def packed_step_inputs(batch: dict[str, Any], block_size: int, mask_token_id: in
     tensors (DataLoader's pin_memory pins a dict's tensors, not a dataclass's): the `PackedLayout`'s own tensors
     context_positions [C] and block_context_start [N] (its block_anchor and block_valid are the batch's;
     `packed_layout(batch, block_size, inputs)` puts it together), labels and block_ids [1, N, Bk]
-    (`packed_block_labels`), label_index (`loss.supervised_index` of the labels) and, for a batch with the
-    target's top-k, topk_ids and topk_logprobs [1, N, Bk, K] (`packed_block_topk`)."""
+    (`packed_block_labels`), label_index (`loss.supervised_index` of the labels), selector_index (the positions
+    DFlash 2's selector loss scores, `loss.selector_positions`; a DFlash run leaves them on the CPU) and, for a
+    batch with the target's top-k, topk_ids and topk_logprobs [1, N, Bk, K] (`packed_block_topk`)."""
     layout = packed_layout(batch, block_size)
     labels, block_ids = packed_block_labels(batch, layout, mask_token_id)
     inputs = {"context_positions": layout.context_positions, "block_context_start": layout.block_context_start,
-              "labels": labels, "block_ids": block_ids, "label_index": supervised_index(labels)}
+              "labels": labels, "block_ids": block_ids, "label_index": supervised_index(labels),
+              "selector_index": selector_positions(labels, block_ids)}
     topk = packed_block_topk(batch, layout)
     if topk is not None:
         inputs["topk_ids"], inputs["topk_logprobs"] = topk

@@ -304,11 +304,13 @@ def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
         features = feature_transform(features)
     topk_ids, topk_logprobs = (to_device(inputs[name], device) if name in inputs else None
                                for name in ("topk_ids", "topk_logprobs"))
+    selector_index = (to_device(inputs["selector_index"], device)
+                      if candidate_selector(run) is not None and "selector_index" in inputs else None)
     return MicroBatch(features=features[None], block_ids=to_device(inputs["block_ids"], device),
                       labels=to_device(inputs["labels"], device),
                       layout=layout.map_tensors(lambda tensor: to_device(tensor, device)),
                       sequences=len(batch["lengths"]), valid_blocks=int(layout.block_valid.numpy().sum()),
-                      label_index=to_device(inputs["label_index"], device),
+                      label_index=to_device(inputs["label_index"], device), selector_index=selector_index,
                       topk_ids=topk_ids, topk_logprobs=topk_logprobs)
 
 
@@ -349,7 +351,7 @@ def add_selector_loss(run: TrainingRun, hidden: Tensor, micro: MicroBatch, globa
     if selector is not None:  # DFlash 2: plus the path selector's loss (--selector-weight)
         term, counts = selector_loss(selector, hidden, run.lm_head, micro.block_ids, micro.labels,
                                      stats.pop("candidates"), run.position_weights, global_weight_sum,
-                                     missing=run.options.selector_missing)
+                                     missing=run.options.selector_missing, positions=micro.selector_index)
         stats.setdefault("terms", {})["block"] = loss.detach()
         stats["terms"]["selector"] = term.detach()
         loss = loss + run.options.selector_weight * term

@@ -4,6 +4,7 @@ the published rules (z-lab's DFlash 2 fixtures: `tests/fixtures/dflash2-config.j
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -18,7 +19,8 @@ from dflash.stage2_train.attention_masks import AnchorLayout, PackedLayout
 from dflash.stage2_train.draft_attention import training_drafter
 from dflash.stage2_train.draft_config import DFLASH2_DEFAULTS, config_from_target
 from dflash.stage2_train.export import export_draft, load_draft
-from dflash.stage2_train.loss import dflash_loss, position_weights, selector_loss
+from dflash.stage2_train.loss import (SELECTOR_CHUNK_ROWS, dflash_loss, position_weights, selector_chunk_rows,
+                                      selector_loss, selector_positions)
 from dflash.stage2_train.modeling_dflash import CandidateSelector, GroupedDynamicConv, block_shift
 
 HIDDEN, BLOCK, VOCAB = 64, 4, 50
@@ -236,6 +238,99 @@ def test_selector_loss_equals_a_direct_computation() -> None:
         assert float(loss) == pytest.approx(total / 3.0, rel=1e-5)
         assert int(counts["candidate_hits"]) == hits and int(counts["candidate_positions"]) == positions
         assert 0 < hits < positions
+
+
+def _selector_case() -> tuple:
+    """A selector with trained-looking codebooks and a micro-batch of 7 blocks: some unsupervised positions (and so
+    positions without a predecessor), a padding-like block with no labels."""
+    torch.manual_seed(1)
+    selector = CandidateSelector(config())
+    with torch.no_grad():
+        selector.successor_codebook.normal_()
+    n_blocks = 7
+    hidden = torch.randn(1, n_blocks * BLOCK, HIDDEN, requires_grad=True)
+    head = torch.randn(VOCAB, HIDDEN)
+    labels = torch.randint(0, VOCAB, (1, n_blocks, BLOCK))
+    labels[..., 0] = -100
+    labels[0, 2, 1] = labels[0, 4, 2] = -100
+    labels[0, 6] = -100
+    block_ids = torch.randint(0, VOCAB, (1, n_blocks, BLOCK))
+    _, stats = dflash_loss(hidden.detach(), head, labels, position_weights(BLOCK), 2.0, chunk_size=5,
+                           candidates=SMALL["selector_top_k"])
+    return selector, hidden, head, labels, block_ids, stats["candidates"]
+
+
+def test_selector_positions_are_the_supervised_positions_with_a_known_predecessor() -> None:
+    _, _, _, labels, block_ids, _ = _selector_case()
+    expected = [j * BLOCK + k for j in range(labels.shape[1]) for k in range(1, BLOCK)
+                if labels[0, j, k] >= 0 and (k == 1 or labels[0, j, k - 1] >= 0)]
+    assert selector_positions(labels, block_ids).tolist() == expected
+    assert len(expected) == 6 * (BLOCK - 1) - 4  # of 18 in the 6 labelled blocks: block 2 loses offsets 1-2, block 4 2-3
+
+
+@pytest.mark.parametrize("missing", ["inject", "drop"])
+def test_selector_loss_from_given_positions_equals_it_from_the_labels(missing: str) -> None:
+    """The positions the loader builds on the CPU (`selector_positions`) give the loss, counts and gradients the
+    loss finds itself, in any chunking; and with them it dispatches nothing that makes the host wait for the device
+    (no nonzero, no boolean-mask indexing, no scalar read), forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    selector, hidden, head, labels, block_ids, candidates = _selector_case()
+    weights = position_weights(BLOCK)
+
+    def run(mode: TorchDispatchMode | None = None, **kwargs: object) -> tuple:
+        hidden.grad = None
+        selector.zero_grad()
+        with mode or contextlib.nullcontext():
+            loss, counts = selector_loss(selector, hidden, head, block_ids, labels, candidates, weights, 2.0,
+                                         missing=missing, **kwargs)
+            loss.backward()
+        return (loss.detach(), int(counts["candidate_hits"]), int(counts["candidate_positions"]),
+                hidden.grad.clone(), selector.successor_codebook.grad.clone())
+
+    class Waits(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = func.overloadpacket.__name__
+            if name in ("nonzero", "_local_scalar_dense", "masked_select", "item") or (
+                    name in ("index", "index_put", "index_put_") and any(
+                        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()) if i is not None)):
+                self.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    reference = run(chunk_rows=4)
+    positions = selector_positions(labels, block_ids)
+    for chunk in (3, 64):
+        waits = Waits()
+        got = run(waits, chunk_rows=chunk, positions=positions)
+        assert waits.seen == []
+        assert got[1:3] == reference[1:3] and got[2] == positions.numel()
+        for a, b in zip((got[0], *got[3:]), (reference[0], *reference[3:])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_selector_chunks_keep_their_head_rows_within_the_cuda_chunk_bytes() -> None:
+    """CPU: SELECTOR_CHUNK_ROWS positions. CUDA: the most multiples of it whose [rows, k, H] head rows fit in
+    CUDA_CHUNK_BYTES, never fewer: one chunk for the SmolLM2 DFlash 2 step (~24,900 positions), whose 13 chunks
+    of 2,048 were ~2,000 of its ~2,700 eager operations; and the memory plan counts the same chunk."""
+    from dflash.stage2_train import loss as loss_module
+    from dflash.stage2_train.memory_plan import DrafterShape
+
+    assert selector_chunk_rows(32, 576, "cpu") == SELECTOR_CHUNK_ROWS
+    assert selector_chunk_rows(32, 576, "cuda") == 14 * SELECTOR_CHUNK_ROWS
+    for top_k, hidden_size, element_bytes in ((32, 576, 2), (32, 4096, 2), (8, 896, 4), (64, 8192, 2)):
+        rows = selector_chunk_rows(top_k, hidden_size, "cuda", element_bytes)
+        row_bytes = top_k * hidden_size * element_bytes
+        assert rows % SELECTOR_CHUNK_ROWS == 0
+        assert rows == SELECTOR_CHUNK_ROWS or rows * row_bytes <= loss_module.CUDA_CHUNK_BYTES < (
+            rows + SELECTOR_CHUNK_ROWS) * row_bytes
+    drafter = config()
+    for device_type in ("cpu", "cuda"):
+        shape = DrafterShape.of(drafter, 10, 2, device_type)
+        assert shape.selector_chunk == selector_chunk_rows(SMALL["selector_top_k"], HIDDEN, device_type, 2)
 
 
 def test_selector_loss_trains_the_selector_and_the_drafter() -> None:
