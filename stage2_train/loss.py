@@ -398,8 +398,8 @@ def block_loss(
 # the CPU, and the fewest anywhere. On CUDA as many as keep those head rows within CUDA_CHUNK_BYTES
 # (`selector_chunk_rows`): a chunk is ~150 eager operations, forward, recomputation and backward (counted on the
 # CPU, 2026-12-07), and at 2,048 rows the SmolLM2 DFlash 2 step (~24,900 positions, 13 chunks) dispatched ~2,000 of
-# its ~2,700 eager operations there, on an H100 step that is host-bound; 28,672 rows (one chunk) for k = 32 and
-# H = 576 in bf16.
+# its ~2,700 eager operations there, on an H100 step that is host-bound; 57,344 rows (one chunk) for the default
+# k = 16 and H = 576 in bf16.
 SELECTOR_CHUNK_ROWS = 2048
 
 
