@@ -138,7 +138,7 @@ def step_time(steps: list[dict], eval_steps: list[int]) -> dict[str, Any]:
     step after them, and the training seconds spent by each evaluated step (the sum of every step's time up to it,
     compilation included), which puts runs of different step costs on one time axis."""
     timed = [r["step_s"] for r in steps if r["step"] > UNTIMED_STEPS]
-    spent, train_s_at = 0.0, {}
+    spent, train_s_at = 0.0, {0: 0.0}
     for r in steps:
         spent += r["step_s"]
         train_s_at[r["step"]] = spent
@@ -148,7 +148,7 @@ def step_time(steps: list[dict], eval_steps: list[int]) -> dict[str, Any]:
     if timed:
         out["timed_mean_s"] = statistics.fmean(timed)
         out["timed_median_s"] = statistics.median(timed)
-    out["train_s_at_eval"] = [[step, train_s_at.get(step, 0.0)] for step in eval_steps]
+    out["train_s_at_eval"] = [[step, train_s_at.get(step)] for step in eval_steps]  # None: its step not recorded
     return out
 
 

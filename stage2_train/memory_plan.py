@@ -52,6 +52,7 @@ class DrafterShape:
     selector_chunk: int = 2048  # DFlash 2: positions of the selector loss's chunks (`loss.selector_chunk_rows`)
     conv_kernel: int = 0  # DFlash 2: taps of the convolution around each sublayer (0: a DFlash drafter)
     selector_top_k: int = 0  # DFlash 2: the path selector's candidates per position
+    selector_rank: int = 0  # DFlash 2: the rank of its codebooks
     # CUDA: the stored features copied on the side stream (`trainer.stored_features`) that may be alive beside
     # any step, whatever its split: two micro-batches' at most (set by run_setup.plan_memory)
     copied_aside_bytes: int = 0
@@ -65,6 +66,7 @@ class DrafterShape:
                    trainable_params=trainable_params,  # DFlash 2's codebooks ([V, r] each) are counted here
                    conv_kernel=int((config.dflash_config or {}).get("conv_kernel_size", 0)),
                    selector_top_k=int((config.dflash_config or {}).get("selector_top_k", 0)),
+                   selector_rank=int((config.dflash_config or {}).get("selector_rank", 0)),
                    loss_chunk=chunk_rows(config.vocab_size, device_type),
                    selector_chunk=selector_chunk_rows(
                        int((config.dflash_config or {}).get("selector_top_k", 0)) or 1, config.hidden_size,
@@ -98,9 +100,13 @@ def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:
     # uncompiled cross-entropy in bf16, 8 for KL).
     logit_bytes = b + fp32 + (fp32 if b < fp32 else 0)
     loss = shape.loss_chunk * shape.vocab * logit_bytes + 2 * q * h * fp32
-    # DFlash 2's selector loss: one chunk's candidates' head rows [rows, k, H] at a time, twice (the rows and a
-    # temporary of their size); its candidates come from the block loss's logits, so it builds none of its own.
-    selector = shape.selector_chunk * 2 * shape.selector_top_k * h * b if shape.conv_kernel else 0
+    # DFlash 2's selector loss, one chunk at a time (at most the micro-batch's scored positions, blocks x (Bk - 1)):
+    # its candidates' head rows [rows, k, H] twice (the rows and a temporary of their size) and their successor
+    # codebook rows [rows, k, r] in float32 and those rows' gradient; its candidates come from the block loss's
+    # logits, so it builds none of its own.
+    selector_rows = np.minimum(shape.selector_chunk, blocks * (shape.block_size - 1))
+    selector = (selector_rows * shape.selector_top_k * (2 * h * b + 2 * shape.selector_rank * fp32)
+                if shape.conv_kernel else 0)
     return context + shape.layers * per_layer + per_layer + loss + selector  # + one layer's gradients in backward
 
 
