@@ -46,7 +46,7 @@ class MicroBatch:
     # so that the loss need not wait for the device to find them; None: the loss finds them itself.
     label_index: Tensor | None = None
     # The flat positions DFlash 2's selector loss scores (`loss.selector_positions`), found on the CPU likewise;
-    # None: a DFlash drafter, or the selector loss finds them itself.
+    # None: the selector loss finds them itself.
     selector_index: Tensor | None = None
     # The target's top-k next-token distribution of each label position (a cache extracted with
     # --store-target-topk; else None): ids [1, N, Bk, K] int32 and log-probabilities [1, N, Bk, K] float16.

@@ -326,8 +326,8 @@ def packed_step_inputs(batch: dict[str, Any], block_size: int, mask_token_id: in
     context_positions [C] and block_context_start [N] (its block_anchor and block_valid are the batch's;
     `packed_layout(batch, block_size, inputs)` puts it together), labels and block_ids [1, N, Bk]
     (`packed_block_labels`), label_index (`loss.supervised_index` of the labels), selector_index (the positions
-    DFlash 2's selector loss scores, `loss.selector_positions`; a DFlash run leaves them on the CPU) and, for a
-    batch with the target's top-k, topk_ids and topk_logprobs [1, N, Bk, K] (`packed_block_topk`)."""
+    DFlash 2's selector loss scores, `loss.selector_positions`) and, for a batch with the target's top-k, topk_ids
+    and topk_logprobs [1, N, Bk, K] (`packed_block_topk`)."""
     layout = packed_layout(batch, block_size)
     labels, block_ids = packed_block_labels(batch, layout, mask_token_id)
     inputs = {"context_positions": layout.context_positions, "block_context_start": layout.block_context_start,

@@ -304,8 +304,8 @@ def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
         features = feature_transform(features)
     topk_ids, topk_logprobs = (to_device(inputs[name], device) if name in inputs else None
                                for name in ("topk_ids", "topk_logprobs"))
-    selector_index = (to_device(inputs["selector_index"], device)
-                      if candidate_selector(run) is not None and "selector_index" in inputs else None)
+    # (copied for a DFlash drafter too, which does not read it: one small copy, queued like the others)
+    selector_index = to_device(inputs["selector_index"], device) if "selector_index" in inputs else None
     return MicroBatch(features=features[None], block_ids=to_device(inputs["block_ids"], device),
                       labels=to_device(inputs["labels"], device),
                       layout=layout.map_tensors(lambda tensor: to_device(tensor, device)),
