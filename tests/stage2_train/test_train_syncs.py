@@ -181,7 +181,7 @@ def test_every_input_of_a_micro_batch_reaches_the_device_through_to_device(
     finally:
         if run.lock is not None:
             run.lock.release()
-    carried = [micro.block_ids, micro.labels, micro.label_index, micro.layout.block_anchor,
+    carried = [micro.block_ids, micro.labels, micro.label_index, micro.selector_index, micro.layout.block_anchor,
                micro.layout.block_context_start, micro.layout.block_valid, micro.layout.context_positions]
     carried += [t for t in (micro.topk_ids, micro.topk_logprobs) if t is not None]
     assert all(any(tensor is m for m in moved) for tensor in carried)
