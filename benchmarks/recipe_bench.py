@@ -310,6 +310,9 @@ def summarize_run(run: RunFiles, untimed_steps: int) -> dict[str, Any]:
     }
 
 
+UNTIMED_STEPS = 50  # --untimed-steps' default: the first steps, which hold the warm-up and the compilation
+
+
 def step_cost(steps: list[dict[str, Any]], untimed_steps: int) -> dict[str, Any]:
     """s/step, block tokens/s and peak memory over the steps after the first `untimed_steps`; the training time
     (train_s): every step's time, the untimed ones included (compilation is GPU time a user pays too; evaluations
@@ -859,7 +862,7 @@ def main() -> None:
                    "seed) and report each variant's mean over seeds and its difference to the baseline paired by "
                    "seed. Instead of --seed.")
 @click.option("--train-flags", default="", help="`dflash train` flags of every variant (quoted), before its own.")
-@click.option("--untimed-steps", type=click.IntRange(min=0), default=50, show_default=True,
+@click.option("--untimed-steps", type=click.IntRange(min=0), default=UNTIMED_STEPS, show_default=True,
               help="The first N steps of each variant are left out of its s/step and block tokens/s (warm-up, "
                    "compilation) and reported apart.")
 @click.option("--warm-up-steps", type=click.IntRange(min=0), default=0, show_default=True,

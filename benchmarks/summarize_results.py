@@ -34,6 +34,9 @@ from typing import Any
 
 from dflash.stage2_train.acceptance import tau_standard_error
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recipe_bench import UNTIMED_STEPS, step_cost  # noqa: E402
+
 ARCHIVE = "raw.tar.xz"
 SUMMARY = "summary.json"
 NOT_RAW = {SUMMARY, "command.txt", ARCHIVE}
@@ -130,24 +133,17 @@ def training_run(records: list[dict], log: str | None) -> dict[str, Any]:
     return run
 
 
-UNTIMED_STEPS = 50  # as benchmarks/recipe_bench.py: the first steps hold the warm-up and the compilation
-
-
 def step_time(steps: list[dict], eval_steps: list[int]) -> dict[str, Any]:
-    """From each step's own `step_s` (evaluations excluded): the first UNTIMED_STEPS steps' sum, the mean and median
-    step after them, and the training seconds spent by each evaluated step (the sum of every step's time up to it,
-    compilation included), which puts runs of different step costs on one time axis."""
-    timed = [r["step_s"] for r in steps if r["step"] > UNTIMED_STEPS]
+    """The run's step cost as the recipe bench reports it (`recipe_bench.step_cost`: s/step after the first
+    UNTIMED_STEPS steps, which hold the warm-up and compilation, and those steps' seconds apart; for a run longer than
+    them), its training seconds (every step's own `step_s`, evaluations excluded), and the training seconds spent
+    by each evaluated step (the sum of every step's time up to it, compilation included), which puts runs of
+    different step costs on one time axis."""
     spent, train_s_at = 0.0, {0: 0.0}
     for r in steps:
         spent += r["step_s"]
         train_s_at[r["step"]] = spent
-    out: dict[str, Any] = {"untimed_steps": UNTIMED_STEPS,
-                           "untimed_s": sum(r["step_s"] for r in steps if r["step"] <= UNTIMED_STEPS),
-                           "train_s": spent}
-    if timed:
-        out["timed_mean_s"] = statistics.fmean(timed)
-        out["timed_median_s"] = statistics.median(timed)
+    out = step_cost(steps, UNTIMED_STEPS) if steps[-1]["step"] > UNTIMED_STEPS else {"train_s": spent}
     out["train_s_at_eval"] = [[step, train_s_at.get(step)] for step in eval_steps]  # None: its step not recorded
     return out
 
