@@ -188,7 +188,7 @@ def _draft_rows(model: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor, 
         per_chunk = max(1, LOGITS_ROWS // (block_size - 1))
         anchor_ids = block_ids[valid][:, 0].to(drafts.device)
         tokens = torch.cat([selector.walk(h.to(selector.hidden_projection.weight.dtype),
-                                          (h @ lm_head_weight.t()).float(), a)[0]
+                                          h @ lm_head_weight.t(), a)[0]
                             for h, a in zip(drafts.split(per_chunk), anchor_ids.split(per_chunk))])
     tokens = tokens.view(-1, block_size - 1).cpu()
     done = 0

@@ -456,8 +456,10 @@ class CandidateSelector(nn.Module):
         """The path through a block: hidden [N, T, H] and logits [N, T, V] of block positions 1..T, anchors [N].
         Greedy: b_t = argmax S_t(b_{t-1}, .); at temperature T a sample from softmax(S_t / T) over the candidates.
         Returns (tokens [N, T], candidates [N, T, k], the proposal probabilities over the candidates [N, T, k] when
-        sampling, else None)."""
+        sampling, else None). Logits in the compute dtype are fine: the top-k is taken on them (as training takes
+        it) and only the k values are made float32, the same values as from a float32 copy of all V."""
         unary, candidates = self.candidates(logits)
+        unary = unary.float()
         projected = self.hidden_projection(hidden)
         predecessor = anchors
         path, proposals = [], []
