@@ -10,8 +10,9 @@
 The first variant is the baseline. Each variant is one `dflash train` process, run one after another (never side
 by side), with the same cache, `--seed`, `--max-steps` (which fixes the cosine schedule's length, so every variant
 has the same learning rate at every step unless its flags change `--lr` or `--warmup`) and `--eval-every`, every
-evaluation over the whole validation split (`--eval-sequences` is refused), then the trainer's own report on the
-whole test split (`report_test_split`: the variant's best validation drafter, `export_best/`). `--train-flags` go
+evaluation over the whole validation split (`--eval-sequences` is refused; the untrained drafter's is skipped:
+`--no-eval-untrained`, about a minute of an H100 a run for a figure that is ~1.0 for every variant), then the
+trainer's own report on the whole test split (`report_test_split`: the variant's best validation drafter, `export_best/`). `--train-flags` go
 to every variant, before its own flags; flags that would make the comparison unequal (steps, epochs, evaluation,
 seed, the split) are refused up front. Then live tau (`dflash eval --no-baselines`, by default MT-Bench and
 HumanEval, 80 prompts x 512 new tokens, no time limit) for the baseline and for the best variant by best
@@ -115,7 +116,8 @@ from dflash.stage2_train.acceptance import json_safe, paired_tau_difference
 log = get_logger("recipe_bench")
 
 # `dflash train` parameters the bench sets for every variant alike: refused in --train-flags and --variant flags.
-SET_BY_BENCH = ("cache", "out", "max_steps", "epochs", "eval_every", "eval_sequences", "seed", "resume", "overwrite")
+SET_BY_BENCH = ("cache", "out", "max_steps", "epochs", "eval_every", "eval_sequences", "eval_untrained", "seed",
+                "resume", "overwrite")
 # The validation / test split must be the same for all: allowed in --train-flags only.
 SAME_FOR_ALL = ("eval_fraction", "test_fraction")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # variant names become file names (and come back from the device)
@@ -449,8 +451,8 @@ def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], ste
     def train(name: str) -> None:
         seed, flags, length = settings[name]["seed"], settings[name]["flags"], settings[name]["steps"]
         command = dflash_command("train", "--cache", str(cache), "--out", str(bench.runs / name), "--overwrite",
-                                 "--max-steps", str(length), "--eval-every", str(eval_every), "--seed", str(seed),
-                                 "--checkpoint-every", "0", "--keep-checkpoints", "1", *train_flags, *flags)
+                                 "--max-steps", str(length), "--eval-every", str(eval_every), "--no-eval-untrained",
+                                 "--seed", str(seed), "--checkpoint-every", "0", "--keep-checkpoints", "1", *train_flags, *flags)
         record = train_variant(bench, name, command, settings[name])
         if variant_of[name] in warmed:
             record["warm_up_steps"] = warm_up_steps

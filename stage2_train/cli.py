@@ -93,6 +93,9 @@ from dflash.stage2_train.options import ARCHITECTURES, COMPILE_MIN_STEPS, SELECT
                    "does the drafter get with more data, asked on one cache.")
 @click.option("--eval-every", type=click.IntRange(min=0), default=TrainOptions.eval_every, show_default=True,
               help="Evaluate on the validation split every N steps (0 = only at the end).")
+@click.option("--eval-untrained/--no-eval-untrained", default=TrainOptions.eval_untrained, show_default=True,
+              help="With --eval-every, also evaluate the untrained drafter before the first step (the baseline of "
+                   "the later figures; about a minute of the GPU for the whole validation split of a large cache).")
 @click.option("--eval-sequences", type=click.IntRange(min=1), default=None,
               help="Validation sequences per evaluation (the same ones each time). Default: the whole split; cap it "
                    "on large caches, where each evaluation walks every sequence.")

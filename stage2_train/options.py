@@ -70,6 +70,7 @@ class TrainOptions:
     test_fraction: float = 0.05  # the test split: the chosen drafter, evaluated once at the end
     train_fraction: float = 1.0  # of the rest, the part trained on (cache_index.py: a data-size question on one cache)
     eval_every: int = 200
+    eval_untrained: bool = True  # also evaluate before the first step (the untrained drafter's tau)
     eval_sequences: int | None = None  # validation sequences per evaluation (None: the whole split)
     checkpoint_every: int = 500
     keep_checkpoints: int = 3

@@ -67,7 +67,8 @@ def train(options: TrainOptions, feature_transform: FeatureTransform | None = No
              f" ({unused} left out by --train-fraction {options.train_fraction})" if unused else "", run.mask_token_id)
     last_eval: dict[str, Any] = {}
     evaluated_step = None
-    if run.state.step == 0 and options.eval_every:  # the untrained drafter: the baseline of every later figure
+    if run.state.step == 0 and options.eval_every and options.eval_untrained:
+        # the untrained drafter: the baseline of every later figure
         last_eval, evaluated_step = evaluate(run, metrics, run.whole_drafter(), feature_transform), 0
     steps = step_batches(run)
     step_log = StepLog(run, metrics)
