@@ -185,11 +185,16 @@ def _draft_rows(model: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor, 
         flat = drafts.reshape(-1, hidden_size)
         tokens = torch.cat([(part @ lm_head_weight.t()).argmax(dim=-1) for part in flat.split(LOGITS_ROWS)])
     else:  # DFlash 2: the selector's greedy path from each block's anchor, as decoding walks it
-        per_chunk = max(1, LOGITS_ROWS // (block_size - 1))
+        # The candidates (top-k of the logits) LOGITS_ROWS rows at a time, then one walk over every block of the
+        # forward: the walk's Bk - 1 sequential positions cost ~12 small operations each whatever the blocks'
+        # number, so walking ~136 blocks at a time (one logits chunk) launched ~10x a DFlash walk's operations.
+        flat = drafts.reshape(-1, hidden_size)
+        top = [selector.candidates(part @ lm_head_weight.t()) for part in flat.split(LOGITS_ROWS)]
+        unary = torch.cat([values for values, _ in top]).view(*drafts.shape[:2], -1)
+        candidates = torch.cat([ids for _, ids in top]).view(*drafts.shape[:2], -1)
         anchor_ids = block_ids[valid][:, 0].to(drafts.device)
-        tokens = torch.cat([selector.walk(h.to(selector.hidden_projection.weight.dtype),
-                                          h @ lm_head_weight.t(), a)[0]
-                            for h, a in zip(drafts.split(per_chunk), anchor_ids.split(per_chunk))])
+        tokens = selector.walk_candidates(drafts.to(selector.hidden_projection.weight.dtype), unary, candidates,
+                                          anchor_ids)[0]
     tokens = tokens.view(-1, block_size - 1).cpu()
     done = 0
     for index, begin, part in rows:
@@ -369,6 +374,7 @@ def offline_acceptance(
             accept_at = torch.full((item["ids"].shape[0],), -1, dtype=torch.long)
             if item["anchors"].numel():
                 accept_at[item["anchors"]] = accepted_prefix(drafted, item["ids"], item["anchors"])
+            accept_at = accept_at.tolist()  # read position by position below: a list, not a tensor op each
             if item["start"] >= 0:
                 steps = walk_acceptance(accept_at, item["start"], item["end"])
                 walk_steps.extend(steps)
@@ -376,7 +382,7 @@ def offline_acceptance(
                 walked += 1
             run_ends = item["run_ends"]
             for p in item["random_anchors"].tolist():
-                random_counts.append(min(int(accept_at[p]), int(run_ends[p + 1]) - 2 - p) + 1)
+                random_counts.append(min(accept_at[p], int(run_ends[p + 1]) - 2 - p) + 1)
         waiting.clear()
 
     was_training = model.training

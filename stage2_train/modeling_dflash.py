@@ -458,7 +458,13 @@ class CandidateSelector(nn.Module):
         Returns (tokens [N, T], candidates [N, T, k], the proposal probabilities over the candidates [N, T, k] when
         sampling, else None). Logits in the compute dtype are fine: the top-k is taken on them (as training takes
         it) and only the k values are made float32, the same values as from a float32 copy of all V."""
-        unary, candidates = self.candidates(logits)
+        return self.walk_candidates(hidden, *self.candidates(logits), anchors, temperature, generator)
+
+    def walk_candidates(self, hidden: Tensor, unary: Tensor, candidates: Tensor, anchors: Tensor,
+                        temperature: float = 0.0, generator: torch.Generator | None = None
+                        ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`walk` from the candidates already taken (`candidates`: U and ids [N, T, k]), for a caller that takes
+        them a few rows of logits at a time (the offline walk: one walk for all of a forward's blocks)."""
         unary = unary.float()
         projected = self.hidden_projection(hidden)
         predecessor = anchors

@@ -337,6 +337,33 @@ def test_acceptance_table_equals_one_block_inference(backend: str) -> None:
     assert torch.equal(again, table[shuffled])
 
 
+@pytest.mark.parametrize("logits_rows", [1, 7, 2048])
+def test_dflash2_drafts_are_the_selector_walk_of_each_block_alone(logits_rows: int) -> None:
+    """DFlash 2's offline drafts (its candidates taken `LOGITS_ROWS` rows at a time, one walk over every block of
+    the forward) are, for every anchor, what decoding proposes for that block alone: the selector's `propose` on
+    the inference layout's hidden states and float32 logits."""
+    config = config_from_target(TARGET_CONFIG, TARGET_LAYER_IDS, LAYERS, BLOCK, MASK, architecture="dflash2",
+                                dflash2={"conv_group_size": 8, "selector_rank": 16, "selector_top_k": 4})
+    torch.manual_seed(0)
+    model = training_drafter(config, "sdpa").eval()
+    randomise_added_parts(model)
+    embed, head = target_weights()
+    seq_len = 19
+    features = random_features(seq_len)
+    ids = torch.randint(0, VOCAB, (seq_len,), generator=torch.Generator().manual_seed(1))
+    anchors = torch.arange(seq_len)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(acceptance_module, "LOGITS_ROWS", logits_rows)
+        preds = draft_predictions(model, embed, head, features, ids, anchors, BLOCK, MASK, chunk=5)
+    for p in range(seq_len):
+        block = torch.full((BLOCK,), MASK)
+        block[0] = ids[p]
+        with torch.no_grad():
+            hidden = model(embed[block][None], features[None, :p], torch.arange(p, p + BLOCK)[None])[0, 1:]
+            alone, _ = model.candidate_selector.propose(hidden, (hidden @ head.t()).float(), int(ids[p]))
+        assert preds[p].tolist() == alone, p
+
+
 def test_walk_acceptance_hand_made() -> None:
     start, end = 5, 30
     zeros = walk_acceptance(torch.zeros(40, dtype=torch.long), start, end)

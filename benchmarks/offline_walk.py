@@ -1,0 +1,119 @@
+"""How long the offline validation walk takes and how many operations it dispatches, DFlash against DFlash 2.
+
+    python benchmarks/offline_walk.py --cache CACHE [--architecture dflash --architecture dflash2] \\
+        [--sequences N] [--count-sequences 4] --out FILE.json
+
+For each architecture: the run `dflash train --cache CACHE --architecture A --attention sdpa` sets up
+(`run_setup.setup_run`, in a temporary folder removed afterwards; no loader workers), its freshly initialised
+drafter (DFlash 2's selector made other than the identity: its successor codebook drawn at the initialiser's
+scale, so that its walk picks other tokens than DFlash's argmax, as a trained one does), then `trainer.walk_split`
+over the first --sequences sequences of the validation split (default: all of it), as every evaluation of
+training walks it: its wall seconds (once, after one walk of --count-sequences sequences that warms the
+allocator), and the aten operations dispatched for the first --count-sequences sequences (a TorchDispatchMode),
+in all and by source (innermost frame in the package's stage2_train/*.py, as file:function). A fresh drafter's tau
+is ~1, so the walk takes one step a position: the most steps a walk can take.
+
+Why: on an H100 (2026-12-07) DFlash 2's validation over the four-times cache's 855 sequences took ~55 s against
+DFlash's ~23 s. The operations show the host's part of that (each is a launch on a GPU); the seconds on a CPU are
+not a GPU's and say only how the two compare here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash.stage2_train import trainer  # noqa: E402
+from dflash.stage2_train.options import TrainOptions  # noqa: E402
+
+PACKAGE_FOLDER = "stage2_train/"
+
+
+class OperationCount(TorchDispatchMode):
+    """Every aten operation dispatched, by name and by the innermost frame in stage2_train/*.py."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_name: Counter[str] = Counter()
+        self.by_source: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.by_name[func.__name__.split(".")[0]] += 1
+        source = "other"
+        for frame in reversed(traceback.extract_stack(limit=30)):
+            if PACKAGE_FOLDER in frame.filename:
+                source = f"{Path(frame.filename).name}:{frame.name}"
+                break
+        self.by_source[source] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def measure(cache: Path, architecture: str, sequences: int | None, count_sequences: int, work: Path,
+            top: int) -> dict[str, Any]:
+    options = TrainOptions(cache=cache, out=work / architecture, architecture=architecture, attention="sdpa",
+                           max_steps=1, eval_every=0, checkpoint_every=0, num_workers=0,
+                           overwrite=True, seed=0)
+    run = trainer.setup_run(options)
+    try:
+        model = run.whole_drafter()
+        selector = getattr(model, "candidate_selector", None)
+        if selector is not None:
+            with torch.no_grad():
+                torch.nn.init.normal_(selector.successor_codebook, std=selector.initializer_range)
+        trainer.walk_split(run, model, "validation", count_sequences)  # warm-up
+        started = time.perf_counter()
+        result = trainer.walk_split(run, model, "validation", sequences)
+        seconds = time.perf_counter() - started
+        with OperationCount() as counted:
+            trainer.walk_split(run, model, "validation", count_sequences)
+    finally:
+        run.accelerator.end_training()
+        if run.lock is not None:
+            run.lock.release()
+    return {"architecture": architecture, "sequences": result["sequences"], "steps": result["steps"],
+            "tau_walk": result["tau_walk"], "seconds": round(seconds, 3),
+            "operations": {"sequences": count_sequences, "total": sum(counted.by_name.values()),
+                           "by_source": dict(counted.by_source.most_common(top)),
+                           "by_name": dict(counted.by_name.most_common(top))}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cache", type=Path, required=True)
+    parser.add_argument("--architecture", action="append", choices=("dflash", "dflash2"), default=None)
+    parser.add_argument("--sequences", type=int, default=None, help="validation sequences timed (default: all)")
+    parser.add_argument("--count-sequences", type=int, default=4, help="validation sequences counted")
+    parser.add_argument("--top", type=int, default=12, help="sources and operation names listed")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    architectures = args.architecture or ["dflash", "dflash2"]
+    with tempfile.TemporaryDirectory(prefix="offline_walk_") as work:
+        results = [measure(args.cache, architecture, args.sequences, args.count_sequences, Path(work), args.top)
+                   for architecture in architectures]
+    record = {"settings": {"cache": str(args.cache), "sequences": args.sequences,
+                           "count_sequences": args.count_sequences, "device": "cuda" if torch.cuda.is_available()
+                           else f"cpu ({torch.get_num_threads()} threads)", "torch": torch.__version__,
+                           "date": time.strftime("%Y-%m-%d")},
+              "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    for result in results:
+        print(f"{result['architecture']}: {result['seconds']:.2f} s for {result['sequences']} sequences "
+              f"({result['steps']} steps), {result['operations']['total']} operations for "
+              f"{result['operations']['sequences']}")
+
+
+if __name__ == "__main__":
+    main()
