@@ -251,6 +251,17 @@ TARGET_CONFIG = {
 }
 
 
+def make_dflash2_model() -> DFlashDraftModel:
+    """Tiny DFlash 2 drafter (its backbone seeded as `make_model`'s is not), its added parts away from the identity
+    so that its selector's walk picks other tokens than the argmax."""
+    config = config_from_target(TARGET_CONFIG, TARGET_LAYER_IDS, LAYERS, BLOCK, MASK, architecture="dflash2",
+                                dflash2={"conv_group_size": 8, "selector_rank": 16, "selector_top_k": 4})
+    torch.manual_seed(0)
+    model = training_drafter(config, "sdpa").eval()
+    randomise_added_parts(model)
+    return model
+
+
 def make_model(backend: str = "sdpa", seed: int = 0, large: bool = True) -> DFlashDraftModel:
     """Tiny drafter; ``large`` weights (norm weights around 1) so predictions depend on every input."""
     config = config_from_target(TARGET_CONFIG, TARGET_LAYER_IDS, LAYERS, BLOCK, MASK)
@@ -342,11 +353,7 @@ def test_dflash2_drafts_are_the_selector_walk_of_each_block_alone(logits_rows: i
     """DFlash 2's offline drafts (its candidates taken `LOGITS_ROWS` rows at a time, one walk over every block of
     the forward) are, for every anchor, what decoding proposes for that block alone: the selector's `propose` on
     the inference layout's hidden states and float32 logits."""
-    config = config_from_target(TARGET_CONFIG, TARGET_LAYER_IDS, LAYERS, BLOCK, MASK, architecture="dflash2",
-                                dflash2={"conv_group_size": 8, "selector_rank": 16, "selector_top_k": 4})
-    torch.manual_seed(0)
-    model = training_drafter(config, "sdpa").eval()
-    randomise_added_parts(model)
+    model = make_dflash2_model()
     embed, head = target_weights()
     seq_len = 19
     features = random_features(seq_len)
@@ -595,13 +602,7 @@ def test_sequences_drafted_together_get_the_drafts_each_gets_alone(architecture:
     elements and of context bytes) gives each sequence the drafts of one chunk a forward; so does
     `offline_acceptance`, which batches its sequences. Budgets too small for two chunks give one a forward; ample
     ones, a single forward."""
-    model = make_model("sdpa")
-    if architecture == "dflash2":
-        config = config_from_target(TARGET_CONFIG, TARGET_LAYER_IDS, LAYERS, BLOCK, MASK, architecture="dflash2",
-                                    dflash2={"conv_group_size": 8, "selector_rank": 16, "selector_top_k": 4})
-        torch.manual_seed(0)
-        model = training_drafter(config, "sdpa").eval()
-        randomise_added_parts(model)
+    model = make_dflash2_model() if architecture == "dflash2" else make_model("sdpa")
     embed, head = target_weights()
     gen = torch.Generator().manual_seed(sum(lengths))
     sequences = []
