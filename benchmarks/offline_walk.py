@@ -1,32 +1,38 @@
 """How long the offline validation walk takes and how many operations it dispatches, DFlash against DFlash 2.
 
     python benchmarks/offline_walk.py --cache CACHE [--architecture dflash --architecture dflash2] \\
-        [--sequences N] [--count-sequences 4] --out FILE.json
+        [--sequences N] [--count-sequences 4] [--logits-rows N] --out FILE.json
 
 For each architecture: the run `dflash train --cache CACHE --architecture A --attention sdpa` sets up
 (`run_setup.setup_run`, in a temporary folder removed afterwards; no loader workers), its freshly initialised
 drafter (DFlash 2's selector made other than the identity: its successor codebook drawn at the initialiser's
 scale, so that its walk picks other tokens than DFlash's argmax, as a trained one does), then `trainer.walk_split`
 over the first --sequences sequences of the validation split (default: all of it), as every evaluation of
-training walks it: its wall seconds (once, after one walk of --count-sequences sequences that warms the
-allocator), and the aten operations dispatched for the first --count-sequences sequences (a TorchDispatchMode),
-in all and by source (innermost frame in the package's stage2_train/*.py, as file:function). A fresh drafter's tau
-is ~1, so the walk takes one step a position: the most steps a walk can take.
+training walks it: its wall seconds (one run, after one walk of --count-sequences sequences that warms the
+allocator), and for the first --count-sequences sequences the aten operations dispatched (a TorchDispatchMode), in
+all and by source (innermost frame in the package's stage2_train/*.py, as file:function), the drafter's forwards
+(`acceptance._draft_rows`) and DFlash 2's selector walks (`CandidateSelector.walk` / `walk_candidates` calls). A
+fresh drafter's tau is ~1, so the walk takes one step a position: the most steps a walk can take. --logits-rows
+sets how many rows of logits are taken at once (`acceptance.LOGITS_ROWS`, default its value). The record names the
+code (`git describe`).
 
 Why: on an H100 (2026-12-07) DFlash 2's validation over the four-times cache's 855 sequences took ~55 s against
-DFlash's ~23 s. The operations show the host's part of that (each is a launch on a GPU); the seconds on a CPU are
-not a GPU's and say only how the two compare here.
+DFlash's ~23 s. The operations are the host's part (those that are not views are kernel launches on a GPU); the
+seconds on a CPU are not a GPU's (there the model runs in float32, and the CPU's matmul speed depends on the
+layout of its input) and say only how the two compare here.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.stage2_train import trainer  # noqa: E402
+from dflash.stage2_train import acceptance, trainer  # noqa: E402
+from dflash.stage2_train.modeling_dflash import CandidateSelector  # noqa: E402
 from dflash.stage2_train.options import TrainOptions  # noqa: E402
 
 PACKAGE_FOLDER = "stage2_train/"
@@ -60,6 +67,34 @@ class OperationCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class CallCount:
+    """Calls of a module-level function or a method, counted while the context is open (the original called)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name, self.calls = owner, name, 0
+
+    def __enter__(self) -> CallCount:
+        original = self.original = getattr(self.owner, self.name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        setattr(self.owner, self.name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(self.owner, self.name, self.original)
+
+
+def code_version() -> str | None:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).resolve().parents[1],
+                              capture_output=True, text=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def measure(cache: Path, architecture: str, sequences: int | None, count_sequences: int, work: Path,
             top: int) -> dict[str, Any]:
     options = TrainOptions(cache=cache, out=work / architecture, architecture=architecture, attention="sdpa",
@@ -76,15 +111,24 @@ def measure(cache: Path, architecture: str, sequences: int | None, count_sequenc
         started = time.perf_counter()
         result = trainer.walk_split(run, model, "validation", sequences)
         seconds = time.perf_counter() - started
-        with OperationCount() as counted:
+        # walk_candidates exists since the one-walk-a-forward change; before it, `walk` was called per chunk.
+        walk_methods = [name for name in ("walk", "walk_candidates") if hasattr(CandidateSelector, name)]
+        with ExitStack() as stack:
+            forwards = stack.enter_context(CallCount(acceptance, "_draft_rows"))
+            walks = [stack.enter_context(CallCount(CandidateSelector, name)) for name in walk_methods]
+            counted = stack.enter_context(OperationCount())
             trainer.walk_split(run, model, "validation", count_sequences)
+        # `walk` delegates to `walk_candidates`: a walk is a call of either made from outside the selector.
+        selector_walks = max((count.calls for count in walks), default=0)
     finally:
         run.accelerator.end_training()
         if run.lock is not None:
             run.lock.release()
     return {"architecture": architecture, "sequences": result["sequences"], "steps": result["steps"],
             "tau_walk": result["tau_walk"], "seconds": round(seconds, 3),
-            "operations": {"sequences": count_sequences, "total": sum(counted.by_name.values()),
+            "operations": {"sequences": count_sequences, "forwards": forwards.calls,
+                           "selector_walks": selector_walks if selector is not None else 0,
+                           "total": sum(counted.by_name.values()),
                            "by_source": dict(counted.by_source.most_common(top)),
                            "by_name": dict(counted.by_name.most_common(top))}}
 
@@ -96,13 +140,17 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=None, help="validation sequences timed (default: all)")
     parser.add_argument("--count-sequences", type=int, default=4, help="validation sequences counted")
     parser.add_argument("--top", type=int, default=12, help="sources and operation names listed")
+    parser.add_argument("--logits-rows", type=int, default=acceptance.LOGITS_ROWS,
+                        help="rows of logits taken at once (acceptance.LOGITS_ROWS)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     architectures = args.architecture or ["dflash", "dflash2"]
+    acceptance.LOGITS_ROWS = args.logits_rows
     with tempfile.TemporaryDirectory(prefix="offline_walk_") as work:
         results = [measure(args.cache, architecture, args.sequences, args.count_sequences, Path(work), args.top)
                    for architecture in architectures]
-    record = {"settings": {"cache": str(args.cache), "sequences": args.sequences,
+    record = {"settings": {"cache": str(args.cache), "code": code_version(), "sequences": args.sequences,
+                           "logits_rows": args.logits_rows,
                            "count_sequences": args.count_sequences, "device": "cuda" if torch.cuda.is_available()
                            else f"cpu ({torch.get_num_threads()} threads)", "torch": torch.__version__,
                            "date": time.strftime("%Y-%m-%d")},
@@ -111,8 +159,9 @@ def main() -> None:
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     for result in results:
         print(f"{result['architecture']}: {result['seconds']:.2f} s for {result['sequences']} sequences "
-              f"({result['steps']} steps), {result['operations']['total']} operations for "
-              f"{result['operations']['sequences']}")
+              f"({result['steps']} steps); for {result['operations']['sequences']}: "
+              f"{result['operations']['total']} operations, {result['operations']['forwards']} forwards, "
+              f"{result['operations']['selector_walks']} selector walks")
 
 
 if __name__ == "__main__":

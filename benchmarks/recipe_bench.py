@@ -12,11 +12,12 @@ by side), with the same cache, `--seed`, `--max-steps` (which fixes the cosine s
 has the same learning rate at every step unless its flags change `--lr` or `--warmup`) and `--eval-every`, every
 evaluation over the whole validation split (`--eval-sequences` is refused; the untrained drafter's is skipped:
 `--no-eval-untrained`, about a minute of an H100 a run for a figure that is ~1.0 for every variant), then the
-trainer's own report on the whole test split (`report_test_split`: the variant's best validation drafter, `export_best/`). `--train-flags` go
-to every variant, before its own flags; flags that would make the comparison unequal (steps, epochs, evaluation,
-seed, the split) are refused up front. Then live tau (`dflash eval --no-baselines`, by default MT-Bench and
-HumanEval, 80 prompts x 512 new tokens, no time limit) for the baseline and for the best variant by best
-validation tau, one process per variant and dataset, side by side (tau does not depend on speed). 80, not 20: on
+trainer's own report on the whole test split (`report_test_split`: the variant's best validation drafter,
+`export_best/`). `--train-flags` go to every variant, before its own flags; flags that would make the comparison
+unequal (steps, epochs, evaluation, seed, the split) are refused up front. Then live tau (`dflash eval
+--no-baselines`, by default MT-Bench and HumanEval, 80 prompts x 512 new tokens, no time limit) for the baseline
+and for the best variant by best validation tau, one process per variant and dataset, side by side (tau does not
+depend on speed). 80, not 20: on
 2026-12-06 one drafter's live MT-Bench tau was 2.69 +- 0.20 over the first 20 prompts and 2.54 +- 0.11 over all 80
 (benchmarks/results/h100_data_size_2026-12-06); there one drafter's 80 prompts of both datasets, evaluated at
 once with --compile-target, took ~110 s on an H100 with compilation (the bench's baseline and best: four at once).
@@ -196,8 +197,9 @@ def check_train_flags(flags: list[str], refused: tuple[str, ...], where: str) ->
              if context.get_parameter_source(name) == ParameterSource.COMMANDLINE]
     if given:
         raise UserError(f"{where}: {', '.join(given)} would make the variants unequal: the bench sets "
-                        "--steps, --eval-every and --seed for all of them, --eval-fraction / --test-fraction belong "
-                        "in --train-flags, and every evaluation covers the whole validation split")
+                        "--steps, --eval-every and --seed for all of them (and skips the untrained drafter's "
+                        "evaluation), --eval-fraction / --test-fraction belong in --train-flags, and every evaluation "
+                        "covers the whole validation split")
 
 
 def device_name() -> str:
@@ -451,8 +453,9 @@ def run_bench(cache: Path, out: Path, variants: list[tuple[str, list[str]]], ste
     def train(name: str) -> None:
         seed, flags, length = settings[name]["seed"], settings[name]["flags"], settings[name]["steps"]
         command = dflash_command("train", "--cache", str(cache), "--out", str(bench.runs / name), "--overwrite",
-                                 "--max-steps", str(length), "--eval-every", str(eval_every), "--no-eval-untrained",
-                                 "--seed", str(seed), "--checkpoint-every", "0", "--keep-checkpoints", "1", *train_flags, *flags)
+                                 "--max-steps", str(length), "--eval-every", str(eval_every),
+                                 "--no-eval-untrained", "--seed", str(seed), "--checkpoint-every", "0",
+                                 "--keep-checkpoints", "1", *train_flags, *flags)
         record = train_variant(bench, name, command, settings[name])
         if variant_of[name] in warmed:
             record["warm_up_steps"] = warm_up_steps

@@ -185,9 +185,10 @@ def _draft_rows(model: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor, 
         flat = drafts.reshape(-1, hidden_size)
         tokens = torch.cat([(part @ lm_head_weight.t()).argmax(dim=-1) for part in flat.split(LOGITS_ROWS)])
     else:  # DFlash 2: the selector's greedy path from each block's anchor, as decoding walks it
-        # The candidates (top-k of the logits) LOGITS_ROWS rows at a time, then one walk over every block of the
-        # forward: the walk's Bk - 1 sequential positions cost ~12 small operations each whatever the blocks'
-        # number, so walking ~136 blocks at a time (one logits chunk) launched ~10x a DFlash walk's operations.
+        # The candidates (top-k of the logits, on the rows flattened as DFlash's argmax takes them) LOGITS_ROWS rows
+        # at a time, then one walk over every block of the forward: the walk's Bk - 1 sequential positions cost ~23
+        # small operations each whatever the number of blocks, so a walk per logits chunk (~136 blocks) repeated them
+        # for every chunk (benchmarks/offline_walk.py counts them).
         flat = drafts.reshape(-1, hidden_size)
         top = [selector.candidates(part @ lm_head_weight.t()) for part in flat.split(LOGITS_ROWS)]
         unary = torch.cat([values for values, _ in top]).view(*drafts.shape[:2], -1)

@@ -192,7 +192,9 @@ def test_a_rerun_skips_finished_variants_and_refuses_other_settings(bench: Path,
     # Other settings than a kept result's are refused in one line, before anything trains; unequal flags too.
     for extra, message in ((("--seed", "1"), "base.json was made with other settings (seed differ)"),
                            (("--variant", "x=--max-steps 9"), "--variant x: --max-steps would make the variants "
-                                                              "unequal")):
+                                                              "unequal"),
+                           (("--train-flags", "--eval-untrained"), "--train-flags: --eval-untrained would make the "
+                                                                    "variants unequal")):
         refused = run_bench(baseline_cache, out, *extra)
         assert refused.returncode == 2 and message in refused.stderr and "Traceback" not in refused.stderr, (
             refused.stderr[-3000:])

@@ -252,8 +252,8 @@ TARGET_CONFIG = {
 
 
 def make_dflash2_model() -> DFlashDraftModel:
-    """Tiny DFlash 2 drafter (its backbone seeded as `make_model`'s is not), its added parts away from the identity
-    so that its selector's walk picks other tokens than the argmax."""
+    """Tiny DFlash 2 drafter (seed 0, its backbone's weights as initialised, not `make_model`'s), its added parts
+    moved away from the identity so that its selector's walk picks other tokens than the argmax."""
     config = config_from_target(TARGET_CONFIG, TARGET_LAYER_IDS, LAYERS, BLOCK, MASK, architecture="dflash2",
                                 dflash2={"conv_group_size": 8, "selector_rank": 16, "selector_top_k": 4})
     torch.manual_seed(0)
