@@ -191,8 +191,8 @@ def _draft_rows(model: nn.Module, embed_weight: Tensor, lm_head_weight: Tensor, 
         # for every chunk (benchmarks/offline_walk.py counts them).
         flat = drafts.reshape(-1, hidden_size)
         top = [selector.candidates(part @ lm_head_weight.t()) for part in flat.split(LOGITS_ROWS)]
-        unary = torch.cat([values for values, _ in top]).view(*drafts.shape[:2], -1)
-        candidates = torch.cat([ids for _, ids in top]).view(*drafts.shape[:2], -1)
+        unary = torch.cat([values for values, _ in top]).view(*drafts.shape[:2], selector.top_k)
+        candidates = torch.cat([ids for _, ids in top]).view(*drafts.shape[:2], selector.top_k)
         anchor_ids = block_ids[valid][:, 0].to(drafts.device)
         tokens = selector.walk_candidates(drafts.to(selector.hidden_projection.weight.dtype), unary, candidates,
                                           anchor_ids)[0]
