@@ -59,18 +59,17 @@ class DrafterShape:
 
     @classmethod
     def of(cls, config: Any, trainable_params: int, element_bytes: int, device_type: str = "cpu") -> DrafterShape:
+        added = config.dflash_config or {}  # DFlash 2's settings (none for a DFlash drafter)
+        top_k = int(added.get("selector_top_k", 0))
         return cls(hidden=config.hidden_size, intermediate=config.intermediate_size,
                    heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                    layers=config.num_hidden_layers, context_dim=config.num_context_layers * config.hidden_size,
                    vocab=config.vocab_size, block_size=config.block_size, element_bytes=element_bytes,
                    trainable_params=trainable_params,  # DFlash 2's codebooks ([V, r] each) are counted here
-                   conv_kernel=int((config.dflash_config or {}).get("conv_kernel_size", 0)),
-                   selector_top_k=int((config.dflash_config or {}).get("selector_top_k", 0)),
-                   selector_rank=int((config.dflash_config or {}).get("selector_rank", 0)),
+                   conv_kernel=int(added.get("conv_kernel_size", 0)), selector_top_k=top_k,
+                   selector_rank=int(added.get("selector_rank", 0)),
                    loss_chunk=chunk_rows(config.vocab_size, device_type),
-                   selector_chunk=selector_chunk_rows(
-                       int((config.dflash_config or {}).get("selector_top_k", 0)) or 1, config.hidden_size,
-                       device_type, element_bytes))
+                   selector_chunk=selector_chunk_rows(top_k or 1, config.hidden_size, device_type, element_bytes))
 
 
 def step_bytes(shape: DrafterShape, context_tokens: Any, blocks: Any) -> Any:
