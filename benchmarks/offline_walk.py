@@ -43,6 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.stage2_train import acceptance, trainer  # noqa: E402
 from dflash.stage2_train.modeling_dflash import CandidateSelector  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_step_ops import patch  # noqa: E402
 from dflash.stage2_train.options import TrainOptions  # noqa: E402
 
 PACKAGE_FOLDER = "stage2_train/"
@@ -67,24 +70,16 @@ class OperationCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class CallCount:
-    """Calls of a module-level function or a method, counted while the context is open (the original called)."""
+def counted_calls(stack: ExitStack, owner: Any, name: str) -> list[int]:
+    """[calls of `owner.name`], counted until `stack` closes (`train_step_ops.patch`; the original is called)."""
+    original, calls = getattr(owner, name), [0]
 
-    def __init__(self, owner: Any, name: str) -> None:
-        self.owner, self.name, self.calls = owner, name, 0
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
 
-    def __enter__(self) -> CallCount:
-        original = self.original = getattr(self.owner, self.name)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls += 1
-            return original(*args, **kwargs)
-
-        setattr(self.owner, self.name, counted)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        setattr(self.owner, self.name, self.original)
+    patch(stack, owner, name, counted)
+    return calls
 
 
 def code_version() -> str | None:
@@ -114,19 +109,19 @@ def measure(cache: Path, architecture: str, sequences: int | None, count_sequenc
         # walk_candidates exists since the one-walk-a-forward change; before it, `walk` was called per chunk.
         walk_methods = [name for name in ("walk", "walk_candidates") if hasattr(CandidateSelector, name)]
         with ExitStack() as stack:
-            forwards = stack.enter_context(CallCount(acceptance, "_draft_rows"))
-            walks = [stack.enter_context(CallCount(CandidateSelector, name)) for name in walk_methods]
+            forwards = counted_calls(stack, acceptance, "_draft_rows")
+            walks = [counted_calls(stack, CandidateSelector, name) for name in walk_methods]
             counted = stack.enter_context(OperationCount())
             trainer.walk_split(run, model, "validation", count_sequences)
         # `walk` delegates to `walk_candidates`: a walk is a call of either made from outside the selector.
-        selector_walks = max((count.calls for count in walks), default=0)
+        selector_walks = max((calls[0] for calls in walks), default=0)
     finally:
         run.accelerator.end_training()
         if run.lock is not None:
             run.lock.release()
     return {"architecture": architecture, "sequences": result["sequences"], "steps": result["steps"],
             "tau_walk": result["tau_walk"], "seconds": round(seconds, 3),
-            "operations": {"sequences": count_sequences, "forwards": forwards.calls,
+            "operations": {"sequences": count_sequences, "forwards": forwards[0],
                            "selector_walks": selector_walks if selector is not None else 0,
                            "total": sum(counted.by_name.values()),
                            "by_source": dict(counted.by_source.most_common(top)),
