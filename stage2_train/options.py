@@ -86,3 +86,8 @@ class TrainOptions:
     memory_limit: float | None = None  # GiB a micro-batch step may use in all (default: what the device has free)
     log_every: int = 10
     verbose: bool = False
+
+    @property
+    def trains_selector(self) -> bool:
+        """DFlash 2: the drafter has a path selector, trained by the selector loss beside the block loss."""
+        return self.architecture == "dflash2"

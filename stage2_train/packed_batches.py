@@ -78,12 +78,13 @@ class CacheBatches(IterableDataset):
     (`cache_format.topk_positions`) the target's prediction for the token there, zeros elsewhere; `read_topk=False`
     leaves them unread (an objective that does not use them). Given the drafter's `block_size` and `mask_token_id`,
     each item also holds the trainer's inputs built from it, `packed_step_inputs`, under STEP_INPUTS: built in the
-    DataLoader worker, off the training loop's process.
+    DataLoader worker, off the training loop's process (DFlash 2's selector positions too, `with_selector_index`).
     """
 
     def __init__(self, cache_dir: Path | str, plan: Sequence[Sequence[Sample]], start: int = 0, *, epoch: int,
                  seed: int, rule: AnchorRule | None = None, bucket_multiple: int = DEFAULT_BUCKET_MULTIPLE,
-                 read_topk: bool = True, block_size: int | None = None, mask_token_id: int | None = None) -> None:
+                 read_topk: bool = True, block_size: int | None = None, mask_token_id: int | None = None,
+                 with_selector_index: bool = False) -> None:
         super().__init__()
         if not 0 <= start <= len(plan):
             raise ValueError(f"start={start} outside 0..{len(plan)}")
@@ -91,6 +92,7 @@ class CacheBatches(IterableDataset):
             raise ValueError("give both block_size and mask_token_id (the step inputs need both), or neither")
         self.block_size = None if block_size is None else int(block_size)
         self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
+        self.with_selector_index = bool(with_selector_index)
         self.cache_dir = Path(cache_dir).resolve()
         self.epoch, self.seed = int(epoch), check_seed(seed)
         self.start = int(start)
@@ -197,7 +199,8 @@ class CacheBatches(IterableDataset):
             batch["topk_ids"], batch["topk_logprobs"] = torch.from_numpy(topk[0]), torch.from_numpy(topk[1])
         if self.block_size is not None:
             assert self.mask_token_id is not None
-            batch[STEP_INPUTS] = packed_step_inputs(batch, self.block_size, self.mask_token_id)
+            batch[STEP_INPUTS] = packed_step_inputs(batch, self.block_size, self.mask_token_id,
+                                                    with_selector_index=self.with_selector_index)
         return batch
 
 
@@ -320,19 +323,21 @@ def packed_block_topk(batch: dict[str, Any], layout: PackedLayout) -> tuple[Tens
     return batch["topk_ids"][at][None], batch["topk_logprobs"][at][None]
 
 
-def packed_step_inputs(batch: dict[str, Any], block_size: int, mask_token_id: int) -> dict[str, Tensor]:
+def packed_step_inputs(batch: dict[str, Any], block_size: int, mask_token_id: int, *,
+                       with_selector_index: bool) -> dict[str, Tensor]:
     """Everything the trainer builds from a packed batch before copying it to the device, as a plain dict of
     tensors (DataLoader's pin_memory pins a dict's tensors, not a dataclass's): the `PackedLayout`'s own tensors
     context_positions [C] and block_context_start [N] (its block_anchor and block_valid are the batch's;
     `packed_layout(batch, block_size, inputs)` puts it together), labels and block_ids [1, N, Bk]
-    (`packed_block_labels`), label_index (`loss.supervised_index` of the labels), selector_index (the positions
-    DFlash 2's selector loss scores, `loss.selector_positions`) and, for a batch with the target's top-k, topk_ids
+    (`packed_block_labels`), label_index (`loss.supervised_index` of the labels), with_selector_index (a DFlash 2
+    drafter) selector_index (the positions its selector loss scores, `loss.selector_positions`) and, for a batch with the target's top-k, topk_ids
     and topk_logprobs [1, N, Bk, K] (`packed_block_topk`)."""
     layout = packed_layout(batch, block_size)
     labels, block_ids = packed_block_labels(batch, layout, mask_token_id)
     inputs = {"context_positions": layout.context_positions, "block_context_start": layout.block_context_start,
-              "labels": labels, "block_ids": block_ids, "label_index": supervised_index(labels),
-              "selector_index": selector_positions(labels, block_ids)}
+              "labels": labels, "block_ids": block_ids, "label_index": supervised_index(labels)}
+    if with_selector_index:
+        inputs["selector_index"] = selector_positions(labels, block_ids)
     topk = packed_block_topk(batch, layout)
     if topk is not None:
         inputs["topk_ids"], inputs["topk_logprobs"] = topk

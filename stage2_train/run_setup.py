@@ -138,7 +138,8 @@ class TrainingRun:
         trainer's inputs built from it in the loader's workers (`packed_batches.packed_step_inputs`; unless
         STEP_INPUTS_IN_WORKERS is off)."""
         plan = plan if plan is not None else self.plan(epoch)
-        step_inputs = ({"block_size": self.options.block_size, "mask_token_id": self.mask_token_id}
+        step_inputs = ({"block_size": self.options.block_size, "mask_token_id": self.mask_token_id,
+                        "with_selector_index": self.options.trains_selector}
                        if STEP_INPUTS_IN_WORKERS else {})
         dataset = CacheBatches(self.cache, rank_plan(plan, self.rank, self.world), start=position, epoch=epoch,
                                seed=self.options.seed, rule=self.anchor_rule, bucket_multiple=self.bucket_multiple,
@@ -413,7 +414,7 @@ def make_accelerator(options: TrainOptions, files: RunFiles) -> tuple[Any, str]:
     if precision == "auto":
         precision = "bf16" if torch.cuda.is_available() else "no"
     plugins: dict[str, Any] = {}
-    if options.fsdp and options.architecture == "dflash2":
+    if options.fsdp and options.trains_selector:
         # The selector loss reads the selector's weights outside the drafter's forward, where FSDP keeps them
         # sharded: DFlash 2 trains with DDP (the default) until that is built.
         raise UserError("--architecture dflash2 does not train with --fsdp yet: leave --fsdp out (DDP)")

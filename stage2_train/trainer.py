@@ -199,7 +199,8 @@ def step_parts(run: TrainingRun, loader_batches: list[dict[str, Any]]) -> list[d
                 "does not fit whole"))
         for part in split_packed_batch(batch, ranges, run.bucket_multiple):
             if STEP_INPUTS not in part:
-                part[STEP_INPUTS] = packed_step_inputs(part, run.options.block_size, run.mask_token_id)
+                part[STEP_INPUTS] = packed_step_inputs(part, run.options.block_size, run.mask_token_id,
+                                                       with_selector_index=run.options.trains_selector)
             parts.append(part)
     return parts
 
@@ -298,14 +299,14 @@ def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
     device = run.device
     inputs = batch.get(STEP_INPUTS)
     if inputs is None:
-        inputs = packed_step_inputs(batch, run.options.block_size, run.mask_token_id)
+        inputs = packed_step_inputs(batch, run.options.block_size, run.mask_token_id,
+                                    with_selector_index=run.options.trains_selector)
     layout = packed_layout(batch, run.options.block_size, inputs)
     features = run.codec.decode(*stored_features(batch, device), run.compute_dtype)
     if feature_transform is not None:
         features = feature_transform(features)
     topk_ids, topk_logprobs = (to_device(inputs[name], device) if name in inputs else None
                                for name in ("topk_ids", "topk_logprobs"))
-    # (copied for a DFlash drafter too, which does not read it: one small copy, queued like the others)
     selector_index = to_device(inputs["selector_index"], device) if "selector_index" in inputs else None
     return MicroBatch(features=features[None], block_ids=to_device(inputs["block_ids"], device),
                       labels=to_device(inputs["labels"], device),

@@ -21,7 +21,7 @@ from dflash.stage2_train import memory_plan as mp
 from dflash.stage2_train import run_setup, trainer
 from dflash.stage2_train.cache_index import CacheIndex
 from dflash.stage2_train.epoch_plan import AnchorRule, plan_epoch
-from dflash.stage2_train.loss import supervised_index
+from dflash.stage2_train.loss import selector_positions, supervised_index
 from dflash.stage2_train.objective import MicroBatch
 from dflash.stage2_train.options import TrainOptions
 from dflash.stage2_train.packed_batches import (STEP_INPUTS, CacheBatches, packed_block_labels, packed_block_topk,
@@ -33,9 +33,10 @@ BLOCK, MASK = 4, 999
 RULE = AnchorRule(0.3, 16, BLOCK)
 
 
-def cpu_run(cache: Path, memory: mp.MemoryPlan | None = None) -> Any:
+def cpu_run(cache: Path, memory: mp.MemoryPlan | None = None, trains_selector: bool = False) -> Any:
     """What `trainer.micro_batch_inputs` and `trainer.micro_batches` read of a TrainingRun, on the CPU."""
-    return SimpleNamespace(device=torch.device("cpu"), options=SimpleNamespace(block_size=BLOCK, fsdp=False),
+    return SimpleNamespace(device=torch.device("cpu"),
+                           options=SimpleNamespace(block_size=BLOCK, fsdp=False, trains_selector=trains_selector),
                            mask_token_id=MASK, codec=manifest_codec(cf.read_manifest(cache)),
                            compute_dtype=torch.float32, memory=memory, bucket_multiple=PAD)
 
@@ -54,7 +55,8 @@ def main_process_micro_batch(run: Any, batch: dict[str, Any]) -> dict[str, Any]:
             "context_positions": layout.context_positions, "context_len": layout.context_len,
             "block_size": layout.block_size, "sequences": len(batch["lengths"]),
             "valid_blocks": int(layout.block_valid.sum()),
-            "topk_ids": None if topk is None else topk[0], "topk_logprobs": None if topk is None else topk[1]}
+            "topk_ids": None if topk is None else topk[0], "topk_logprobs": None if topk is None else topk[1],
+            "selector_index": selector_positions(labels, block_ids) if run.options.trains_selector else None}
 
 
 def tensors_of(micro: MicroBatch) -> dict[str, Any]:
@@ -64,7 +66,7 @@ def tensors_of(micro: MicroBatch) -> dict[str, Any]:
             "block_context_start": layout.block_context_start, "block_valid": layout.block_valid,
             "context_positions": layout.context_positions, "context_len": layout.context_len,
             "block_size": layout.block_size, "sequences": micro.sequences, "valid_blocks": micro.valid_blocks,
-            "topk_ids": micro.topk_ids, "topk_logprobs": micro.topk_logprobs}
+            "topk_ids": micro.topk_ids, "topk_logprobs": micro.topk_logprobs, "selector_index": micro.selector_index}
 
 
 def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -77,31 +79,35 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
             assert got[name] == value, name
 
 
-def loader_batches(cache: Path, workers_build_inputs: bool) -> list[dict[str, Any]]:
+def loader_batches(cache: Path, workers_build_inputs: bool, trains_selector: bool = False) -> list[dict[str, Any]]:
     """One epoch of packed batches through a real DataLoader with 2 workers."""
     index = CacheIndex.from_cache(cache, eval_fraction=0.0, seed=0)
     plan = plan_epoch(index, epoch=0, seed=0, batch_tokens=500, rule=RULE)
-    step_inputs = {"block_size": BLOCK, "mask_token_id": MASK} if workers_build_inputs else {}
+    step_inputs = ({"block_size": BLOCK, "mask_token_id": MASK, "with_selector_index": trains_selector}
+                   if workers_build_inputs else {})
     dataset = CacheBatches(cache, plan, epoch=0, seed=0, rule=RULE, bucket_multiple=PAD, **step_inputs)
     return list(make_loader(dataset, 2, pin_memory=False))
 
 
-def refuse_to_build(*_args: Any) -> None:
+def refuse_to_build(*_args: Any, **_options: Any) -> None:
     raise AssertionError("the main process built step inputs the batch already had")
 
 
-@pytest.mark.parametrize("topk", [0, 3])
+@pytest.mark.parametrize("topk,trains_selector", [(0, False), (3, False), (3, True)])
 def test_inputs_built_in_the_workers_equal_those_the_main_process_built(
-        tmp_path: Path, topk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, topk: int, trains_selector: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same tensors either way; DFlash 2's selector positions only for a DFlash 2 run (a DFlash run neither
+    builds nor copies them)."""
     cache = build_cache(tmp_path / "cache", [23, 17], max_len=120, topk=topk)
-    run = cpu_run(cache)
-    from_workers, plain = loader_batches(cache, True), loader_batches(cache, False)
+    run = cpu_run(cache, trains_selector=trains_selector)
+    from_workers, plain = loader_batches(cache, True, trains_selector), loader_batches(cache, False)
     assert len(from_workers) == len(plain) > 3
     for with_inputs, without in zip(from_workers, plain):
         assert with_inputs["position"] == without["position"] and STEP_INPUTS not in without
         inputs = with_inputs[STEP_INPUTS]
         assert all(isinstance(t, torch.Tensor) for t in inputs.values())  # a plain dict: pin_memory pins each
         assert ("topk_ids" in inputs) == ("topk_logprobs" in inputs) == bool(topk)
+        assert ("selector_index" in inputs) == trains_selector
         want = main_process_micro_batch(run, without)
         assert_same(tensors_of(trainer.micro_batch_inputs(run, without)), want)  # the same function, built here
         with monkeypatch.context() as patched:  # the workers' inputs are taken as they are
@@ -109,6 +115,8 @@ def test_inputs_built_in_the_workers_equal_those_the_main_process_built(
             assert_same(tensors_of(trainer.micro_batch_inputs(run, with_inputs)), want)
     if topk:  # the top-k of supervised positions is carried (not only zeros)
         assert any(bool(b[STEP_INPUTS]["topk_logprobs"].ne(0).any()) for b in from_workers)
+    if trains_selector:  # and the selector's positions are there to be compared (not all empty)
+        assert all(b[STEP_INPUTS]["selector_index"].numel() > 0 for b in from_workers)
 
 
 def test_a_split_batch_builds_each_parts_inputs_for_itself(tmp_path: Path) -> None:
@@ -151,11 +159,13 @@ def short_run(cache: Path, out: Path, **changes: Any) -> TrainOptions:
                                 lr=4e-3), **changes)
 
 
-def test_the_run_loader_builds_the_inputs_in_its_workers(train_cache: Path, tmp_path: Path,
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_the_run_loader_builds_the_inputs_in_its_workers(train_cache: Path, tmp_path: Path, architecture: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """`TrainingRun.loader` gives its workers the run's block size and mask token: the batches carry the inputs
-    the main process builds with STEP_INPUTS_IN_WORKERS off (bench_train.py --inputs-in-main)."""
-    run = run_setup.setup_run(short_run(train_cache, tmp_path / "run", block_size=8))
+    """`TrainingRun.loader` gives its workers the run's block size, mask token and whether the drafter has a
+    selector: the batches carry the inputs the main process builds with STEP_INPUTS_IN_WORKERS off (bench_train.py
+    --inputs-in-main), DFlash 2's selector positions for a DFlash 2 run only."""
+    run = run_setup.setup_run(short_run(train_cache, tmp_path / "run", block_size=8, architecture=architecture))
     try:
         assert run.mask_token_id != MASK
         batches = [b for _, b in zip(range(3), run.loader(0, 0))]
@@ -165,6 +175,7 @@ def test_the_run_loader_builds_the_inputs_in_its_workers(train_cache: Path, tmp_
         for with_inputs, without in zip(batches, plain):
             assert STEP_INPUTS in with_inputs and STEP_INPUTS not in without
             assert with_inputs[STEP_INPUTS]["block_ids"].shape[-1] == 8
+            assert ("selector_index" in with_inputs[STEP_INPUTS]) == (architecture == "dflash2")
             assert_same(tensors_of(trainer.micro_batch_inputs(run, with_inputs)),
                         tensors_of(trainer.micro_batch_inputs(run, without)))
     finally:

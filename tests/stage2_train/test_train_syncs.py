@@ -157,15 +157,17 @@ def test_micro_batches_carry_their_supervised_positions(train_cache: Path, tmp_p
             run.lock.release()
 
 
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
 def test_every_input_of_a_micro_batch_reaches_the_device_through_to_device(
-        train_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        train_cache: Path, tmp_path: Path, architecture: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """No input is copied around `trainer.to_device` (which pins CPU tensors before a CUDA copy, so that the copy
     does not make the host wait): every tensor of the micro-batch is one it returned, or the features decoded from
     one."""
     from dflash.stage2_train.run_setup import setup_run
 
     options = TrainOptions(cache=train_cache, out=tmp_path / "run", max_steps=2, draft_layers=1, batch_tokens=1024,
-                           num_workers=0, eval_fraction=0.0, test_fraction=0.0, mixed_precision="no")
+                           num_workers=0, eval_fraction=0.0, test_fraction=0.0, mixed_precision="no",
+                           architecture=architecture)
     run = setup_run(options)
     moved: list[torch.Tensor] = []
     original = trainer.to_device
@@ -181,8 +183,11 @@ def test_every_input_of_a_micro_batch_reaches_the_device_through_to_device(
     finally:
         if run.lock is not None:
             run.lock.release()
-    carried = [micro.block_ids, micro.labels, micro.label_index, micro.selector_index, micro.layout.block_anchor,
+    carried = [micro.block_ids, micro.labels, micro.label_index, micro.layout.block_anchor,
                micro.layout.block_context_start, micro.layout.block_valid, micro.layout.context_positions]
+    # DFlash 2's selector positions: copied for its selector loss, neither built nor copied for DFlash
+    assert (micro.selector_index is not None) == (architecture == "dflash2")
+    carried += [micro.selector_index] if micro.selector_index is not None else []
     carried += [t for t in (micro.topk_ids, micro.topk_logprobs) if t is not None]
     assert all(any(tensor is m for m in moved) for tensor in carried)
     # and the features' stored bytes (with their scales, for a scaled codec), decoded on the device
