@@ -248,12 +248,12 @@ def micro_batch_sizes(run: Any, batches: list[dict[str, Any]], selector_chunk: i
     """What the counted step's micro-batches hold (the memory plan's parts of the loader batches)."""
     parts = trainer.step_parts(run, batches)
     labels = [part[STEP_INPUTS]["labels"] for part in parts]
-    scored = [len(part[STEP_INPUTS]["selector_index"]) for part in parts]
     sizes = {"micro_batches": len(parts), "sequences": sum(len(part["lengths"]) for part in parts),
              "tokens": sum(int(part["lengths"].sum()) for part in parts),
              "blocks": sum(int(x.shape[1]) for x in labels),
              "supervised": sum(int((x != loss_module.IGNORE_INDEX).sum()) for x in labels)}
-    if selector_chunk is not None:
+    if selector_chunk is not None:  # (DFlash 2: its parts carry the positions its selector loss scores)
+        scored = [len(part[STEP_INPUTS]["selector_index"]) for part in parts]
         sizes["selector_positions"] = sum(scored)
         sizes["selector_chunks"] = sum(math.ceil(n / selector_chunk) for n in scored)
     return sizes
