@@ -514,7 +514,7 @@ def main() -> None:
                         "loader_workers": run.options.num_workers,
                         "flops_counted": "drafter matmuls, attention and LM head as in step_flops"
                         + ("; DFlash 2's dynamic convolutions and path selector are not counted"
-                           if run.options.architecture == "dflash2" else "")})
+                           if run.options.trains_selector else "")})
     else:
         summary.update({"length": args.length, "batch": args.batch, "anchors": ANCHORS, "loader_workers": args.workers})
     print(json.dumps(summary, indent=2))

@@ -329,9 +329,9 @@ def packed_step_inputs(batch: dict[str, Any], block_size: int, mask_token_id: in
     tensors (DataLoader's pin_memory pins a dict's tensors, not a dataclass's): the `PackedLayout`'s own tensors
     context_positions [C] and block_context_start [N] (its block_anchor and block_valid are the batch's;
     `packed_layout(batch, block_size, inputs)` puts it together), labels and block_ids [1, N, Bk]
-    (`packed_block_labels`), label_index (`loss.supervised_index` of the labels), with_selector_index (a DFlash 2
-    drafter) selector_index (the positions its selector loss scores, `loss.selector_positions`) and, for a batch with the target's top-k, topk_ids
-    and topk_logprobs [1, N, Bk, K] (`packed_block_topk`)."""
+    (`packed_block_labels`), label_index (`loss.supervised_index` of the labels), selector_index (only
+    `with_selector_index`, for a DFlash 2 drafter: the positions its selector loss scores, `loss.selector_positions`)
+    and, for a batch with the target's top-k, topk_ids and topk_logprobs [1, N, Bk, K] (`packed_block_topk`)."""
     layout = packed_layout(batch, block_size)
     labels, block_ids = packed_block_labels(batch, layout, mask_token_id)
     inputs = {"context_positions": layout.context_positions, "block_context_start": layout.block_context_start,

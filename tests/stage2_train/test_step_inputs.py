@@ -119,18 +119,21 @@ def test_inputs_built_in_the_workers_equal_those_the_main_process_built(
         assert all(b[STEP_INPUTS]["selector_index"].numel() > 0 for b in from_workers)
 
 
-def test_a_split_batch_builds_each_parts_inputs_for_itself(tmp_path: Path) -> None:
+@pytest.mark.parametrize("trains_selector", [False, True])
+def test_a_split_batch_builds_each_parts_inputs_for_itself(tmp_path: Path, trains_selector: bool) -> None:
     """A memory plan that cuts each loader batch into several parts: no part carries the whole batch's inputs, and
-    each part's micro-batch is what the main process built from that part before."""
+    each part's micro-batch is what the main process built from that part before (with DFlash 2's selector
+    positions for a DFlash 2 run)."""
     cache = build_cache(tmp_path / "cache", [23, 17], max_len=120, topk=3)
     shape = mp.DrafterShape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, layers=2,
                             context_dim=48, vocab=1000, block_size=BLOCK, element_bytes=4, trainable_params=10_000)
-    batches = loader_batches(cache, True)
+    batches = loader_batches(cache, True, trains_selector)
     lengths = np.concatenate([b["lengths"].numpy() for b in batches])
     blocks = np.concatenate([sequence_blocks(b) for b in batches])
     # a budget of about two sequences: every batch of three or more is cut into parts
     budget = int(mp.step_bytes(shape, 2 * int(np.median(lengths)), 2 * int(np.median(blocks))))
-    run = cpu_run(cache, mp.MemoryPlan(shape=shape, limit_bytes=budget, budget_bytes=budget, planned_peak_bytes=0))
+    run = cpu_run(cache, mp.MemoryPlan(shape=shape, limit_bytes=budget, budget_bytes=budget, planned_peak_bytes=0),
+                  trains_selector)
     split = 0
     for batch in batches:
         ranges = run.memory.parts(batch["lengths"].numpy(), sequence_blocks(batch))
