@@ -114,6 +114,13 @@ class TrainingRun:
         return AnchorRule(self.options.anchor_density or None, self.options.max_anchors, self.options.block_size)
 
     @property
+    def step_input_settings(self) -> dict[str, Any]:
+        """What `packed_batches.packed_step_inputs` takes of this run, in the loader's workers and in the trainer
+        alike: the block size, the mask token, and whether the drafter has a selector (DFlash 2's positions)."""
+        return {"block_size": self.options.block_size, "mask_token_id": self.mask_token_id,
+                "with_selector_index": self.options.trains_selector}
+
+    @property
     def world(self) -> int:
         return self.accelerator.num_processes
 
@@ -138,9 +145,7 @@ class TrainingRun:
         trainer's inputs built from it in the loader's workers (`packed_batches.packed_step_inputs`; unless
         STEP_INPUTS_IN_WORKERS is off)."""
         plan = plan if plan is not None else self.plan(epoch)
-        step_inputs = ({"block_size": self.options.block_size, "mask_token_id": self.mask_token_id,
-                        "with_selector_index": self.options.trains_selector}
-                       if STEP_INPUTS_IN_WORKERS else {})
+        step_inputs = self.step_input_settings if STEP_INPUTS_IN_WORKERS else {}
         dataset = CacheBatches(self.cache, rank_plan(plan, self.rank, self.world), start=position, epoch=epoch,
                                seed=self.options.seed, rule=self.anchor_rule, bucket_multiple=self.bucket_multiple,
                                read_topk=self.options.loss in NEEDS_TARGET_TOPK, **step_inputs)

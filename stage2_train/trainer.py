@@ -199,8 +199,7 @@ def step_parts(run: TrainingRun, loader_batches: list[dict[str, Any]]) -> list[d
                 "does not fit whole"))
         for part in split_packed_batch(batch, ranges, run.bucket_multiple):
             if STEP_INPUTS not in part:
-                part[STEP_INPUTS] = packed_step_inputs(part, run.options.block_size, run.mask_token_id,
-                                                       with_selector_index=run.options.trains_selector)
+                part[STEP_INPUTS] = packed_step_inputs(part, **run.step_input_settings)
             parts.append(part)
     return parts
 
@@ -299,8 +298,7 @@ def micro_batch_inputs(run: TrainingRun, batch: dict[str, Any],
     device = run.device
     inputs = batch.get(STEP_INPUTS)
     if inputs is None:
-        inputs = packed_step_inputs(batch, run.options.block_size, run.mask_token_id,
-                                    with_selector_index=run.options.trains_selector)
+        inputs = packed_step_inputs(batch, **run.step_input_settings)
     layout = packed_layout(batch, run.options.block_size, inputs)
     features = run.codec.decode(*stored_features(batch, device), run.compute_dtype)
     if feature_transform is not None:

@@ -35,8 +35,9 @@ RULE = AnchorRule(0.3, 16, BLOCK)
 
 def cpu_run(cache: Path, memory: mp.MemoryPlan | None = None, trains_selector: bool = False) -> Any:
     """What `trainer.micro_batch_inputs` and `trainer.micro_batches` read of a TrainingRun, on the CPU."""
-    return SimpleNamespace(device=torch.device("cpu"),
-                           options=SimpleNamespace(block_size=BLOCK, fsdp=False, trains_selector=trains_selector),
+    return SimpleNamespace(device=torch.device("cpu"), options=SimpleNamespace(block_size=BLOCK, fsdp=False),
+                           step_input_settings={"block_size": BLOCK, "mask_token_id": MASK,
+                                                "with_selector_index": trains_selector},
                            mask_token_id=MASK, codec=manifest_codec(cf.read_manifest(cache)),
                            compute_dtype=torch.float32, memory=memory, bucket_multiple=PAD)
 
@@ -56,7 +57,8 @@ def main_process_micro_batch(run: Any, batch: dict[str, Any]) -> dict[str, Any]:
             "block_size": layout.block_size, "sequences": len(batch["lengths"]),
             "valid_blocks": int(layout.block_valid.sum()),
             "topk_ids": None if topk is None else topk[0], "topk_logprobs": None if topk is None else topk[1],
-            "selector_index": selector_positions(labels, block_ids) if run.options.trains_selector else None}
+            "selector_index": (selector_positions(labels, block_ids)
+                               if run.step_input_settings["with_selector_index"] else None)}
 
 
 def tensors_of(micro: MicroBatch) -> dict[str, Any]:
