@@ -39,14 +39,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.stage2_train import acceptance, trainer  # noqa: E402
 from dflash.stage2_train.modeling_dflash import CandidateSelector  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step_ops import patch  # noqa: E402
 from dflash.stage2_train.options import TrainOptions  # noqa: E402
+from train_step_ops import patch  # noqa: E402
 
 PACKAGE_FOLDER = "stage2_train/"
 
